@@ -1,0 +1,128 @@
+"""Test helpers: free ports, a real Atropos run-api process, and sampling from the tiny model to build
+scored-data groups shaped exactly like what environments post."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import torch
+
+FIXTURE = Path(__file__).parent / "fixtures" / "runapi_batch.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def run_api(workdir: Path) -> Iterator[str]:
+    """Atropos's own run-api on 127.0.0.1, started from an empty folder, stopped by its PID."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from atroposlib.cli.run_api import main; main()", "--host", "127.0.0.1",
+         "--port", str(port)],
+        cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/status", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"run-api did not start (exit code {proc.poll()})")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@torch.no_grad()
+def sample_completion(model, prompt_ids: list[int], max_new: int, eos_ids: set[int], gen: torch.Generator):
+    """Full-softmax sampling at temperature 1; returns (completion ids, their logprobs, finish reason)."""
+    ids = list(prompt_ids)
+    out, lps = [], []
+    for _ in range(max_new):
+        logits = model(torch.tensor([ids])).logits[0, -1].double()
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = int(torch.multinomial(logp.exp(), 1, generator=gen).item())
+        ids.append(tok)
+        out.append(tok)
+        lps.append(float(logp[tok]))
+        if tok in eos_ids:
+            return out, lps, "stop"
+    return out, lps, "length"
+
+
+def build_scored_groups(model_path: Path, group_size: int = 4, seed: int = 0) -> list[dict]:
+    """Four groups as an Atropos env posts them: chat-template prompt + sampled completion, masks -100 on the
+    prompt, inference_logprobs 1.0 on the prompt, per-sequence overrides, token-level advantages in one group."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    eos = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+    gen = torch.Generator().manual_seed(seed)
+    questions = ["What is 12 + 30?", "Ann has 5 apples and gets 7 more. How many?", "Say hello.", "Count to 3."]
+    groups = []
+    for gi, q in enumerate(questions):
+        prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        group = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": [], "overrides": [],
+                 "messages": [], "generation_params": {"temperature": 1.0, "max_tokens": 12}}
+        for si in range(group_size):
+            comp, lps, finish = sample_completion(model, prompt, 12, eos, gen)
+            group["tokens"].append(prompt + comp)
+            group["masks"].append([-100] * len(prompt) + comp)
+            group["inference_logprobs"].append([1.0] * len(prompt) + lps)
+            group["scores"].append(1.0 if gi == 1 else float((si + gi) % 2))
+            group["overrides"].append({"set_advantage_to_zero": True} if finish == "length" and gi == 3 and si == 0 else {})
+            group["messages"].append([{"role": "user", "content": q},
+                                      {"role": "assistant", "content": tok.decode(comp)}])
+        if gi == 2:  # an env that sends its own per-token advantages
+            group["advantages"] = [[0.0] * len(prompt) + [0.5 * (si - 1.5)] * (len(t) - len(prompt))
+                                   for si, t in enumerate(group["tokens"])]
+        groups.append(group)
+    return groups
+
+
+def roundtrip_through_run_api(url: str, groups: list[dict]) -> dict:
+    """Register as a trainer, post the groups, and return run-api's `GET /batch` body."""
+    batch_size = sum(len(g["tokens"]) for g in groups)
+    reg = {"wandb_group": "test", "wandb_project": "test", "batch_size": batch_size, "max_token_len": 2048,
+           "checkpoint_dir": "ckpt", "save_checkpoint_interval": 0, "starting_step": 0, "num_steps": 10}
+    httpx.post(f"{url}/register", json=reg, timeout=10).raise_for_status()
+    httpx.post(f"{url}/scored_data_list", json=groups, timeout=10).raise_for_status()
+    body = httpx.get(f"{url}/batch", timeout=10).json()
+    return body
+
+
+if __name__ == "__main__":
+    # Regenerate the committed fixture: python -m tests.helpers
+    import tempfile
+
+    from trainer.tiny_model import ensure_tiny_model
+
+    with tempfile.TemporaryDirectory() as d, run_api(Path(d)) as url:
+        body = roundtrip_through_run_api(url, build_scored_groups(ensure_tiny_model()))
+    FIXTURE.write_text(json.dumps(body))
+    print(f"wrote {FIXTURE} ({len(body['batch'])} groups)")

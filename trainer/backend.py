@@ -1,0 +1,62 @@
+"""The training-backend interface shared by the local (PyTorch + PEFT) and Tinker backends.
+
+It mirrors Tinker's TrainingClient so that one trainer loop drives either: forward_backward accumulates
+gradients for a batch, optim_step applies them, save_for_sampler publishes weights the sampler can load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from trainer.batch import TrainingExample
+from trainer.losses import LossParams, Reduction
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """Same fields as tinker.AdamParams; the learning rate is passed every step (schedules live in the loop)."""
+
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 = no clipping
+
+
+@dataclass
+class ForwardBackwardResult:
+    trainer_logprobs: list[list[float]]  # per example, aligned with target_ids; 0.0 at untrained positions
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class TrainingBackend(Protocol):
+    def forward_backward(
+        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction = "sum"
+    ) -> ForwardBackwardResult:
+        """Compute the loss on `examples` and accumulate its gradients (not applied until optim_step)."""
+        ...
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """Apply accumulated gradients with AdamW; returns `optim/*` metrics."""
+        ...
+
+    def save_for_sampler(self, version: int) -> str:
+        """Write the current adapter as policy `version`; returns a path/URI the sampler can load."""
+        ...
+
+    def save_state(self, name: str) -> str:
+        """Checkpoint weights, optimizer, step counter and RNG; returns where."""
+        ...
+
+    def load_state(self, path: str) -> None:
+        """Restore a checkpoint written by save_state so that the next step is the same as without the break."""
+        ...
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (restored by load_state)."""
+        ...

@@ -1,0 +1,289 @@
+"""Atropos batch intake: validate scored-data groups from run-api's `GET /batch` and turn them into per-token
+training examples (shifted by one for the causal loss).
+
+Pure: no model, no I/O. A bad group or sequence never raises; it is dropped and recorded with its group index,
+field and value, so the rest of the batch still trains. What is dropped, and at which level:
+- group: `tokens`/`masks`/`scores`/`inference_logprobs`/`advantages`/`overrides` lengths disagree, a score is
+  NaN/inf, inference_logprobs are missing when the loss needs them, a token id is outside [0, vocab_size);
+  a group whose scores are all equal (and carries no token-level advantages) is skipped as zero-variance.
+- sequence (the group's other sequences still train, advantages use all its scores): no trained token, longer
+  than max_seq_len, NaN/inf sampler logprob or advantage at a trained position, a mask that names another token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+IGNORE_INDEX = -100  # Atropos's mask value for positions that are not trained
+
+
+class ScoredDataGroup(BaseModel):
+    """One group as run-api returns it (atroposlib 0.4.0 `ScoredData`); unknown keys are kept, not trusted."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokens: list[list[int]]
+    masks: list[list[int]]
+    scores: list[float]
+    advantages: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
+    messages: list[list[dict[str, Any]]] | None = None
+    generation_params: dict[str, Any] | None = None
+    inference_logprobs: list[list[float]] | None = None
+    overrides: list[dict[str, Any] | None] | None = None
+    group_overrides: dict[str, Any] | None = None
+    env_id: int | None = None
+
+
+@dataclass(frozen=True)
+class TrainingExample:
+    """One sequence, aligned so that position t predicts target_ids[t] from input_ids[: t + 1]."""
+
+    input_ids: list[int]
+    target_ids: list[int]
+    loss_mask: list[float]
+    sampler_logprobs: list[float]
+    advantages: list[float]
+    temperature: float = 1.0
+    group_index: int = -1
+    sequence_index: int = -1
+    score: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_trained(self) -> int:
+        return sum(1 for m in self.loss_mask if m != 0)
+
+
+@dataclass(frozen=True)
+class Drop:
+    group_index: int
+    sequence_index: int | None  # None: the whole group
+    field: str
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"group {self.group_index}" + ("" if self.sequence_index is None else f" seq {self.sequence_index}")
+        return f"{where}, field '{self.field}': {self.reason}"
+
+
+@dataclass
+class ConvertedBatch:
+    examples: list[TrainingExample] = field(default_factory=list)
+    drops: list[Drop] = field(default_factory=list)
+    groups_received: int = 0
+    sequences_received: int = 0
+    groups_zero_variance: int = 0
+    scores: list[float] = field(default_factory=list)  # every finite score received, for reward metrics
+
+    def metrics(self) -> dict[str, float]:
+        dropped_groups = sum(1 for d in self.drops if d.sequence_index is None)
+        return {
+            "rollouts/groups_received": float(self.groups_received),
+            "rollouts/sequences_received": float(self.sequences_received),
+            "rollouts/sequences_trained": float(len(self.examples)),
+            "rollouts/groups_zero_variance": float(self.groups_zero_variance),
+            "rollouts/groups_dropped_malformed": float(dropped_groups),
+            "rollouts/sequences_dropped_malformed": float(len(self.drops) - dropped_groups),
+            **{f"rollouts/dropped_{k}": float(v) for k, v in Counter(d.field for d in self.drops).items()},
+        }
+
+
+@dataclass(frozen=True)
+class IntakeOptions:
+    vocab_size: int
+    max_seq_len: int
+    normalize_std: bool = False
+    std_eps: float = 1e-6
+    require_sampler_logprobs: bool = True
+
+
+def parse_batch_response(body: Any) -> list[Any] | None:
+    """The `batch` list of a run-api `GET /batch` body; None while no batch is ready."""
+    if not isinstance(body, dict) or "batch" not in body:
+        raise ValueError(f"run-api /batch body has no 'batch' key: {str(body)[:200]!r}")
+    batch = body["batch"]
+    if batch is None or batch == []:
+        return None
+    if not isinstance(batch, list):
+        raise ValueError(f"run-api /batch 'batch' is {type(batch).__name__}, expected a list of groups")
+    return batch
+
+
+def compute_group_advantages(scores: list[float], normalize_std: bool, std_eps: float) -> list[float]:
+    """score - group mean, optionally divided by (population std + eps)."""
+    mean = sum(scores) / len(scores)
+    centered = [s - mean for s in scores]
+    if not normalize_std:
+        return centered
+    std = math.sqrt(sum(c * c for c in centered) / len(scores))
+    return [c / (std + std_eps) for c in centered]
+
+
+def resolve_temperature(group: ScoredDataGroup, i: int) -> float:
+    """Atropos's priority: overrides[i] > generation_params > group_overrides > 1.0."""
+    for source in (
+        (group.overrides[i] if group.overrides else None),
+        group.generation_params,
+        group.group_overrides,
+    ):
+        if source and source.get("temperature") is not None:
+            return float(source["temperature"])
+    return 1.0
+
+
+def convert_batch(raw_groups: list[Any], opts: IntakeOptions) -> ConvertedBatch:
+    out = ConvertedBatch()
+    for gi, raw in enumerate(raw_groups):
+        out.groups_received += 1
+        try:
+            group = ScoredDataGroup.model_validate(raw)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            key = ".".join(str(p) for p in err["loc"])
+            out.drops.append(Drop(gi, None, key or "<group>", f"{err['msg']} (got {str(err.get('input'))[:80]!r})"))
+            continue
+        out.sequences_received += len(group.tokens)
+        _convert_group(gi, group, opts, out)
+    return out
+
+
+def _check_group(gi: int, g: ScoredDataGroup, opts: IntakeOptions) -> Drop | None:
+    n = len(g.tokens)
+    if n == 0:
+        return Drop(gi, None, "tokens", "empty group")
+    per_seq_fields = {"masks": g.masks, "scores": g.scores, "inference_logprobs": g.inference_logprobs,
+                      "advantages": g.advantages, "overrides": g.overrides}
+    for name, value in per_seq_fields.items():
+        if value is not None and len(value) != n:
+            return Drop(gi, None, name, f"has {len(value)} entries for {n} sequences")
+    for name, value in (("masks", g.masks), ("inference_logprobs", g.inference_logprobs), ("advantages", g.advantages)):
+        for si, row in enumerate(value or []):
+            if len(row) != len(g.tokens[si]):
+                return Drop(gi, None, name, f"sequence {si} has {len(row)} values for {len(g.tokens[si])} tokens")
+    for si, score in enumerate(g.scores):
+        if not math.isfinite(score):
+            return Drop(gi, None, "scores", f"sequence {si} score is {score}")
+    if opts.require_sampler_logprobs and g.inference_logprobs is None:
+        return Drop(gi, None, "inference_logprobs", "missing; the environment must sample through ManagedServer")
+    for si, toks in enumerate(g.tokens):
+        bad = [t for t in toks if t < 0 or t >= opts.vocab_size]
+        if bad:
+            return Drop(gi, None, "tokens", f"sequence {si} has id {bad[0]} outside [0, {opts.vocab_size}): "
+                        "is the environment using the trainer's tokenizer?")
+    return None
+
+
+def _convert_group(gi: int, g: ScoredDataGroup, opts: IntakeOptions, out: ConvertedBatch) -> None:
+    problem = _check_group(gi, g, opts)
+    if problem is not None:
+        out.drops.append(problem)
+        return
+    out.scores.extend(g.scores)
+    if g.advantages is None and max(g.scores) == min(g.scores):
+        out.groups_zero_variance += 1
+        return
+    seq_advantages = compute_group_advantages(g.scores, opts.normalize_std, opts.std_eps)
+    for si in range(len(g.tokens)):
+        example = _convert_sequence(gi, si, g, seq_advantages[si], opts)
+        if isinstance(example, Drop):
+            out.drops.append(example)
+        else:
+            out.examples.append(example)
+
+
+def _convert_sequence(
+    gi: int, si: int, g: ScoredDataGroup, seq_advantage: float, opts: IntakeOptions
+) -> TrainingExample | Drop:
+    tokens, masks = g.tokens[si], g.masks[si]
+    if len(tokens) > opts.max_seq_len:
+        return Drop(gi, si, "tokens", f"length {len(tokens)} exceeds max_seq_len {opts.max_seq_len}")
+    mismatch = next((t for t in range(len(tokens)) if masks[t] != IGNORE_INDEX and masks[t] != tokens[t]), None)
+    if mismatch is not None:
+        return Drop(gi, si, "masks", f"position {mismatch} is {masks[mismatch]}, token is {tokens[mismatch]}")
+    # Shift by one: target t+1 is predicted at position t; position 0 is never a target.
+    loss_mask = [0.0 if m == IGNORE_INDEX else 1.0 for m in masks[1:]]
+    if not any(loss_mask):
+        return Drop(gi, si, "masks", "no trained token (empty completion)")
+    zero_adv = bool(g.overrides and g.overrides[si] and g.overrides[si].get("set_advantage_to_zero"))
+    if g.advantages is not None:
+        advantages = [float(a) for a in g.advantages[si][1:]]
+    else:
+        advantages = [seq_advantage] * len(loss_mask)
+    if zero_adv:
+        advantages = [0.0] * len(loss_mask)
+    sampler = [float(x) for x in g.inference_logprobs[si][1:]] if g.inference_logprobs else [0.0] * len(loss_mask)
+    for name, values in (("inference_logprobs", sampler), ("advantages", advantages)):
+        bad = next((t for t, (m, v) in enumerate(zip(loss_mask, values)) if m and not math.isfinite(v)), None)
+        if bad is not None:
+            return Drop(gi, si, name, f"{values[bad]} at trained position {bad + 1}")
+    return TrainingExample(
+        input_ids=list(tokens[:-1]),
+        target_ids=list(tokens[1:]),
+        loss_mask=loss_mask,
+        sampler_logprobs=[v if m else 0.0 for m, v in zip(loss_mask, sampler)],
+        advantages=[v if m else 0.0 for m, v in zip(loss_mask, advantages)],
+        temperature=resolve_temperature(g, si),
+        group_index=gi,
+        sequence_index=si,
+        score=g.scores[si],
+    )
+
+
+def examples_to_tensors(examples: list[TrainingExample], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded [B, T] tensors; padding has loss_mask 0."""
+    width = max(len(e) for e in examples)
+    B = len(examples)
+    input_ids_BT = torch.full((B, width), pad_id, dtype=torch.long)
+    target_ids_BT = torch.full((B, width), pad_id, dtype=torch.long)
+    attention_BT = torch.zeros((B, width), dtype=torch.long)
+    mask_BT = torch.zeros((B, width), dtype=torch.float32)
+    sampler_BT = torch.zeros((B, width), dtype=torch.float32)
+    adv_BT = torch.zeros((B, width), dtype=torch.float32)
+    temperature_B = torch.ones(B, dtype=torch.float32)
+    for b, e in enumerate(examples):
+        n = len(e)
+        input_ids_BT[b, :n] = torch.tensor(e.input_ids)
+        target_ids_BT[b, :n] = torch.tensor(e.target_ids)
+        attention_BT[b, :n] = 1
+        mask_BT[b, :n] = torch.tensor(e.loss_mask)
+        sampler_BT[b, :n] = torch.tensor(e.sampler_logprobs)
+        adv_BT[b, :n] = torch.tensor(e.advantages)
+        temperature_B[b] = e.temperature
+    return {
+        "input_ids_BT": input_ids_BT,
+        "target_ids_BT": target_ids_BT,
+        "attention_mask_BT": attention_BT,
+        "mask_BT": mask_BT,
+        "sampler_logprobs_BT": sampler_BT,
+        "advantages_BT": adv_BT,
+        "temperature_B": temperature_B,
+    }
+
+
+def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group example indices so that (count x longest) padded tokens stay within token_budget.
+
+    Longest first, so similar lengths share a micro-batch and padding stays small. An example longer than the
+    budget gets a micro-batch of its own (config validation keeps max_seq_len within the budget).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    plans: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        width = lengths[current[0]] if current else lengths[i]  # longest in current, since sorted descending
+        if current and (len(current) + 1) * width > token_budget:
+            plans.append(current)
+            current = []
+        current.append(i)
+    if current:
+        plans.append(current)
+    return plans

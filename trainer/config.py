@@ -1,0 +1,159 @@
+"""The trainer's configuration: pydantic models, YAML files and dotted CLI overrides (`optim.lr=2e-5`).
+
+Each default is written once, here, with its unit. Loading never touches a model or the network.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainer.losses import DEFAULT_DRO_BETA, LossName, LossParams, Reduction
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field("tiny", description="HF hub id, local folder, or 'tiny' for the offline random test model")
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="auto = bfloat16 on CUDA, float32 on CPU"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    attn_implementation: str | None = Field(None, description="passed to from_pretrained (e.g. sdpa); None = HF default")
+
+
+class LoraConfig(_Section):
+    rank: int = Field(32, ge=1, description="LoRA rank r")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha; scale = alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt; all-linear = every linear projection except lm_head"
+    )
+    seed: int = Field(0, description="seed for the LoRA initialisation and trainer RNG")
+
+
+class OptimConfig(_Section):
+    lr: float = Field(4e-5, gt=0, description="peak learning rate")
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: float = Field(1.0, ge=0, description="global grad-norm clip; 0 = no clipping")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 to lr over this many optimizer steps")
+    schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="decay after warmup")
+    total_steps: int = Field(0, ge=0, description="steps for linear/cosine decay to reach 0; 0 = no decay")
+
+
+class LossConfig(_Section):
+    name: LossName = Field("importance_sampling", description="Tinker loss name, or grpo")
+    reduction: Reduction = Field("sum", description="sum = Tinker's; means divide by batch-level counts")
+    clip_low_threshold: float | None = Field(None, description="lower ratio bound (ppo/grpo/cispo); None = Tinker's")
+    clip_high_threshold: float | None = Field(None, description="upper ratio bound; None = Tinker's default")
+    beta: float = Field(DEFAULT_DRO_BETA, ge=0, description="dro quadratic penalty")
+    tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap on the ratio")
+
+    def params(self) -> LossParams:
+        return LossParams(
+            name=self.name,
+            clip_low_threshold=self.clip_low_threshold,
+            clip_high_threshold=self.clip_high_threshold,
+            beta=self.beta,
+            tis_cap=self.tis_cap,
+        )
+
+
+class AdvantageConfig(_Section):
+    normalize_std: bool | None = Field(None, description="divide by group std; None = only for the grpo loss")
+    std_eps: float = Field(1e-6, gt=0, description="added to the std before dividing")
+    sampler_logprobs: Literal["raw", "processed"] = Field(
+        "raw", description="raw: sampler logprobs are pre-temperature (vLLM default); processed: post-temperature"
+    )
+
+
+class TrainerConfig(_Section):
+    max_seq_len: int = Field(2048, ge=2, description="longest prompt+completion, tokens; longer ones are dropped")
+    micro_batch_tokens: int = Field(8192, ge=1, description="padded tokens per forward/backward micro-batch")
+    logprob_chunk_tokens: int = Field(1024, ge=1, description="tokens per lm_head chunk (bounds fp32 logits memory)")
+    save_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="adapter dtype for the sampler; auto = bfloat16 on CUDA, float32 on CPU"
+    )
+    output_dir: str = Field("runs/default", description="adapters/ and checkpoints/ go under this folder")
+
+
+class RunConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    lora: LoraConfig = LoraConfig()
+    optim: OptimConfig = OptimConfig()
+    loss: LossConfig = LossConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.loss.tis_cap is not None and self.loss.name in ("cross_entropy", "dro"):
+            raise ValueError(f"loss.tis_cap applies to ratio losses, not loss.name={self.loss.name!r}")
+        if self.trainer.micro_batch_tokens < self.trainer.max_seq_len:
+            raise ValueError(
+                f"trainer.micro_batch_tokens={self.trainer.micro_batch_tokens} is below "
+                f"trainer.max_seq_len={self.trainer.max_seq_len}: one sequence must fit in a micro-batch"
+            )
+        return self
+
+    def normalize_std(self) -> bool:
+        if self.advantage.normalize_std is None:
+            return self.loss.name == "grpo"
+        return self.advantage.normalize_std
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key, the value and the fix."""
+
+
+C = TypeVar("C", bound=BaseModel)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not key=value (e.g. optim.lr=2e-5)")
+    key, raw = text.split("=", 1)
+    # YAML gives numbers, booleans, null and lists ([a, b]) their types; anything else stays a string.
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | None = None) -> C:
+    """Read YAML (optional), apply dotted overrides, validate; errors name the dotted key and the value seen."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        where = f" in {path}" if path else ""
+        lines = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "<root>"
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError(f"invalid config{where}:\n" + "\n".join(lines)) from None

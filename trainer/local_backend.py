@@ -1,0 +1,284 @@
+"""The local training backend: a Hugging Face causal LM with a PEFT LoRA adapter, trained in this process.
+
+Owns the model, optimizer and RNG; computes losses with trainer.losses; writes adapters vLLM can hot-load.
+Must not talk to run-api or the gateway (the loop does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainer.backend import AdamParams, ForwardBackwardResult
+from trainer.batch import TrainingExample, examples_to_tensors, plan_micro_batches
+from trainer.config import RunConfig
+from trainer.logprobs import compute_token_logprobs
+from trainer.losses import LossInputs, LossParams, Reduction, compute_loss, compute_reduction_weights, finalize_metrics
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def resolve_device(cfg: RunConfig) -> torch.device:
+    if cfg.model.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.model.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device=cuda but no CUDA device is visible; use model.device=cpu or auto")
+    return torch.device(cfg.model.device)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def resolve_model_path(path: str) -> str:
+    if path == "tiny":
+        from trainer.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return path
+
+
+def build_peft_model(cfg: RunConfig, device: torch.device, model: Any = None) -> Any:
+    """Base model (loaded from cfg.model.path unless given) wrapped with a fresh LoRA adapter."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    if model is None:
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if cfg.model.attn_implementation:
+            kwargs["attn_implementation"] = cfg.model.attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.path), **kwargs)
+    model.to(device)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(cfg.lora.seed)
+    lora = LoraConfig(
+        r=cfg.lora.rank,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=cfg.lora.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, lora)
+    # LoRA weights in fp32 even over a bf16 base: Adam updates of size lr*1e-3 vanish in bf16.
+    for p in peft_model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return peft_model
+
+
+class LocalBackend:
+    """TrainingBackend on a local GPU or CPU. See trainer.backend.TrainingBackend for the contract."""
+
+    def __init__(self, cfg: RunConfig, model: Any = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg)
+        self.model = build_peft_model(cfg, self.device, model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.optim.lr, fused=self.device.type == "cuda"
+        )
+        self._step = 0
+        self.output_dir = Path(cfg.trainer.output_dir)
+        _seed_everything(cfg.lora.seed)
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_base_model().get_output_embeddings().weight.shape[0])
+
+    # --- training -------------------------------------------------------------------------------------------
+
+    def forward_backward(
+        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction = "sum"
+    ) -> ForwardBackwardResult:
+        if not examples:
+            raise ValueError("forward_backward needs at least one example")
+        started = time.perf_counter()
+        self.model.train()
+        total_tokens = float(sum(sum(e.loss_mask) for e in examples))
+        use_temperature = self.cfg.advantage.sampler_logprobs == "processed"
+        logprobs: list[list[float]] = [[] for _ in examples]
+        parts, loss_value = [], 0.0
+        for plan in plan_micro_batches([len(e) for e in examples], self.cfg.trainer.micro_batch_tokens):
+            batch = {k: v.to(self.device) for k, v in examples_to_tensors([examples[i] for i in plan]).items()}
+            trainer_lp_BT = self._forward_logprobs(batch, use_temperature)
+            weights_BT = compute_reduction_weights(batch["mask_BT"], reduction, total_tokens, len(examples))
+            inputs = LossInputs(
+                trainer_logprobs_BT=trainer_lp_BT,
+                sampler_logprobs_BT=batch["sampler_logprobs_BT"],
+                advantages_BT=batch["advantages_BT"],
+                mask_BT=batch["mask_BT"],
+                reduction_weights_BT=weights_BT,
+            )
+            micro_loss, micro_metrics = compute_loss(inputs, loss)
+            micro_loss.backward()
+            loss_value += float(micro_loss.detach().item())
+            parts.append(micro_metrics)
+            lp_cpu = trainer_lp_BT.detach().cpu()
+            for row, i in enumerate(plan):
+                logprobs[i] = lp_cpu[row, : len(examples[i])].tolist()
+        elapsed = time.perf_counter() - started
+        metrics = finalize_metrics(parts)
+        metrics.update(
+            {
+                "loss/value": loss_value,
+                "time/forward_backward_s": elapsed,
+                "perf/train_tokens_per_s": sum(len(e) for e in examples) / max(elapsed, 1e-9),
+                "perf/micro_batches": float(len(parts)),
+            }
+        )
+        return ForwardBackwardResult(trainer_logprobs=logprobs, loss=loss_value, metrics=metrics)
+
+    def _forward_logprobs(self, batch: dict[str, torch.Tensor], use_temperature: bool) -> torch.Tensor:
+        causal_lm = self.model.get_base_model()
+        hidden_BTH = causal_lm.get_decoder()(
+            input_ids=batch["input_ids_BT"], attention_mask=batch["attention_mask_BT"], use_cache=False
+        ).last_hidden_state
+        return compute_token_logprobs(
+            causal_lm.get_output_embeddings(),
+            hidden_BTH,
+            batch["target_ids_BT"],
+            batch["mask_BT"] != 0,
+            batch["temperature_B"] if use_temperature else None,
+            self.cfg.trainer.logprob_chunk_tokens,
+        )
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        started = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm).item())
+        skipped = not np.isfinite(grad_norm)
+        if skipped:
+            # A NaN/inf gradient would poison every LoRA weight and the next checkpoint: drop this update.
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self._step += 1
+        return {
+            "optim/grad_norm": grad_norm,
+            "optim/lr": adam.learning_rate,
+            "optim/skipped_nonfinite": float(skipped),
+            "time/optim_s": time.perf_counter() - started,
+        }
+
+    # --- saving ---------------------------------------------------------------------------------------------
+
+    def save_for_sampler(self, version: int) -> str:
+        """Adapter for policy `version` in a new folder adapters/vNNNNNN (never reused: vLLM's prefix cache)."""
+        dest = self.output_dir / "adapters" / f"v{version:06d}"
+        dtype = resolve_dtype(self.cfg.trainer.save_dtype, self.device)
+        self._write_adapter(dest, dtype)
+        return str(dest)
+
+    def _write_adapter(self, dest: Path, dtype: torch.dtype) -> None:
+        from peft import get_peft_model_state_dict
+
+        if dest.exists():
+            raise FileExistsError(f"{dest} exists: adapter folders are never overwritten")
+        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
+        with _atomic_dir(dest) as tmp:
+            save_file(tensors, str(tmp / ADAPTER_FILE))
+            self.model.peft_config["default"].save_pretrained(str(tmp))
+
+    def save_state(self, name: str) -> str:
+        dest = self.output_dir / "checkpoints" / name
+        if dest.exists():
+            raise FileExistsError(f"checkpoint {dest} exists; choose a new name")
+        self._write_adapter_and_state(dest)
+        return str(dest)
+
+    def _write_adapter_and_state(self, dest: Path) -> None:
+        from peft import get_peft_model_state_dict
+
+        tensors = {k: v.detach().float().contiguous().cpu() for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()}
+        with _atomic_dir(dest) as tmp:
+            save_file(tensors, str(tmp / ADAPTER_FILE))
+            self.model.peft_config["default"].save_pretrained(str(tmp))
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "step": self._step, "rng": _rng_state()},
+                tmp / "trainer_state.pt",
+            )
+            (tmp / "run_config.json").write_text(self.cfg.model_dump_json(indent=2))
+
+    def load_state(self, path: str) -> None:
+        from peft import set_peft_model_state_dict
+
+        src = Path(path)
+        if not (src / "trainer_state.pt").exists():
+            raise FileNotFoundError(f"{src} is not a checkpoint written by save_state (no trainer_state.pt)")
+        saved_cfg = json.loads((src / "run_config.json").read_text())
+        for section in ("model", "lora"):
+            if saved_cfg[section] != json.loads(getattr(self.cfg, section).model_dump_json()):
+                raise ValueError(f"checkpoint {src} was made with a different '{section}' config; resume with the same")
+        weights = load_file(str(src / ADAPTER_FILE), device=str(self.device))
+        result = set_peft_model_state_dict(self.model, weights)
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"checkpoint {src} has unexpected adapter keys: {result.unexpected_keys[:3]}")
+        state = torch.load(src / "trainer_state.pt", map_location=self.device, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._step = int(state["step"])
+        _set_rng_state(state["rng"])
+
+
+class _atomic_dir:
+    """Write into a hidden temp folder beside dest, then rename: readers see all of it or none of it."""
+
+    def __init__(self, dest: Path):
+        self.dest = dest
+        self.tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+
+    def __enter__(self) -> Path:
+        self.dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir()
+        return self.tmp
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        os.rename(self.tmp, self.dest)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

@@ -1,0 +1,180 @@
+"""Per-token RL and supervised losses, with Tinker's names, math and default (sum) reduction.
+
+Pure tensor functions: no model, no config objects, no logging. Tensors are [B, T] and already aligned so that
+position t scores target token t (the shift by one happens in batch conversion).
+
+Departures from Tinker, all opt-in and off by default:
+- `grpo`: PPO-clip math (eps 0.2) meant for group-std-normalised advantages, as Atropos's example trainer does.
+- `tis_cap`: truncated importance sampling. The ratio r = exp(trainer - sampler) is replaced by
+  r~ = r * stopgrad(min(1, cap / r)), whose value is min(r, cap) and whose gradient is scaled by the same factor;
+  it bounds the weight a token with a large train/inference mismatch can get.
+- reductions other than `sum` divide by batch-level counts passed in by the caller (so gradient accumulation over
+  micro-batches equals one big batch).
+- every loss multiplies its per-token terms by `mask_BT`; Tinker relies on zero advantages at prompt positions
+  instead, which is the same except for `dro`, whose quadratic term we also mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "grpo"]
+Reduction = Literal["sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+
+RATIO_LOSSES: frozenset[str] = frozenset({"importance_sampling", "ppo", "cispo", "grpo"})
+
+# Tinker's defaults for `loss_fn_config` (clip thresholds are bounds on the ratio, not epsilons).
+DEFAULT_CLIP: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "grpo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+DEFAULT_DRO_BETA = 0.05
+
+
+@dataclass(frozen=True)
+class LossParams:
+    name: LossName = "importance_sampling"
+    clip_low_threshold: float | None = None  # None: Tinker's default for the loss
+    clip_high_threshold: float | None = None
+    beta: float = DEFAULT_DRO_BETA  # dro only
+    tis_cap: float | None = None  # truncated-IS cap on the ratio, ratio losses only
+
+    def clip_bounds(self) -> tuple[float, float]:
+        low, high = DEFAULT_CLIP.get(self.name, (0.0, float("inf")))
+        return (
+            low if self.clip_low_threshold is None else self.clip_low_threshold,
+            high if self.clip_high_threshold is None else self.clip_high_threshold,
+        )
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    trainer_logprobs_BT: torch.Tensor  # logprob of each target under the model being trained (carries grad)
+    sampler_logprobs_BT: torch.Tensor  # logprob the sampler (vLLM/Tinker) reported for the same target
+    advantages_BT: torch.Tensor  # ignored by cross_entropy
+    mask_BT: torch.Tensor  # per-token weights (Tinker's `weights`), 0 = not trained; other inputs may be NaN there
+    reduction_weights_BT: torch.Tensor  # from compute_reduction_weights over the *whole* batch
+
+
+def compute_reduction_weights(
+    mask_BT: torch.Tensor, reduction: Reduction, total_tokens: float, total_sequences: int
+) -> torch.Tensor:
+    """Per-token multipliers that turn a sum of per-token losses into the requested reduction.
+
+    `total_tokens` (sum of mask weights) and `total_sequences` describe the whole optimizer batch, not this
+    micro-batch, so that per-micro-batch losses add up to the full-batch loss.
+    """
+    ones_BT = torch.ones_like(mask_BT, dtype=torch.float32)
+    if reduction == "sum":
+        return ones_BT
+    if reduction == "token_mean":
+        return ones_BT / max(total_tokens, 1e-8)
+    if reduction == "seq_mean_token_sum":
+        return ones_BT / max(total_sequences, 1)
+    if reduction == "seq_mean_token_mean":
+        tokens_B1 = mask_BT.float().sum(dim=1, keepdim=True).clamp_min(1e-8)
+        return ones_BT / tokens_B1 / max(total_sequences, 1)
+    raise ValueError(f"unknown reduction {reduction!r}")
+
+
+def _where_mask(mask_BT: torch.Tensor, values_BT: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    # torch.where, not multiplication: 0 * NaN is NaN, and NaN gradients leak through products.
+    return torch.where(mask_BT != 0, values_BT, torch.full_like(values_BT, fill))
+
+
+def _ratio(inputs: LossInputs, tis_cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance ratio trainer/sampler (masked positions -> 1) and its truncated form."""
+    log_ratio_BT = _where_mask(inputs.mask_BT, inputs.trainer_logprobs_BT - inputs.sampler_logprobs_BT)
+    ratio_BT = torch.exp(log_ratio_BT)
+    if tis_cap is None:
+        return ratio_BT, ratio_BT
+    # In log space so that a ratio that overflows (exp(200)) still truncates to a finite cap.
+    excess_BT = (log_ratio_BT - math.log(tis_cap)).clamp_min(0).detach()
+    return ratio_BT, torch.exp(log_ratio_BT - excess_BT)
+
+
+def _per_token_loss(inputs: LossInputs, params: LossParams, ratio_BT: torch.Tensor) -> torch.Tensor:
+    mask_BT = inputs.mask_BT
+    trainer_lp_BT = _where_mask(mask_BT, inputs.trainer_logprobs_BT)
+    adv_BT = _where_mask(mask_BT, inputs.advantages_BT)
+    low, high = params.clip_bounds()
+    name = params.name
+    if name == "cross_entropy":
+        return -trainer_lp_BT
+    if name == "importance_sampling":
+        return -ratio_BT * adv_BT
+    if name in ("ppo", "grpo"):
+        clipped_BT = torch.clamp(ratio_BT, low, high)
+        return -torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
+    if name == "cispo":
+        return -torch.clamp(ratio_BT, low, high).detach() * trainer_lp_BT * adv_BT
+    if name == "dro":
+        sampler_lp_BT = _where_mask(mask_BT, inputs.sampler_logprobs_BT)
+        return -(trainer_lp_BT * adv_BT - 0.5 * params.beta * (trainer_lp_BT - sampler_lp_BT) ** 2)
+    raise ValueError(f"unknown loss {name!r}")
+
+
+def compute_loss(inputs: LossInputs, params: LossParams) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss (scalar, differentiable) and metrics for one micro-batch.
+
+    Metrics are sums/extremes over trained tokens so the caller can combine micro-batches:
+    `importance/ratio_sum`, `importance/ratio_min`, `importance/ratio_max`, `importance/clipped_tokens`,
+    `importance/mismatch_kl_sum`, `importance/abs_logprob_diff_sum`, `tokens/trained`, `loss/sum`.
+    """
+    if params.tis_cap is not None and params.name not in RATIO_LOSSES:
+        raise ValueError(f"tis_cap applies to ratio losses {sorted(RATIO_LOSSES)}, not {params.name!r}")
+    ratio_BT, used_ratio_BT = _ratio(inputs, params.tis_cap)
+    per_token_BT = _per_token_loss(inputs, params, used_ratio_BT)
+    # mask_BT doubles as Tinker's `weights` (cross_entropy); RL batches carry 0/1 masks.
+    weighted_BT = per_token_BT * _where_mask(inputs.mask_BT, inputs.mask_BT.to(per_token_BT.dtype))
+    loss = (weighted_BT * _where_mask(inputs.mask_BT, inputs.reduction_weights_BT.to(per_token_BT.dtype))).sum()
+    return loss, _compute_metrics(inputs, params, ratio_BT.detach(), weighted_BT.detach())
+
+
+def _compute_metrics(
+    inputs: LossInputs, params: LossParams, ratio_BT: torch.Tensor, per_token_BT: torch.Tensor
+) -> dict[str, float]:
+    trained_BT = inputs.mask_BT != 0
+    n_tokens = int(trained_BT.sum().item())
+    ratio_T = ratio_BT[trained_BT].double()
+    log_ratio_T = torch.log(ratio_T)
+    low, high = params.clip_bounds()
+    clipped = 0
+    if params.name in ("ppo", "grpo", "cispo") and n_tokens:
+        clipped = int(((ratio_T < low) | (ratio_T > high)).sum().item())
+    if params.tis_cap is not None and n_tokens:
+        clipped += int((ratio_T > params.tis_cap).sum().item())
+    # k3 estimator of KL(sampler || trainer): E_q[r - 1 - log r] >= 0, low variance (Schulman's note).
+    mismatch_kl_sum = float((ratio_T - 1 - log_ratio_T).sum().item()) if n_tokens else 0.0
+    return {
+        "tokens/trained": float(n_tokens),
+        "loss/sum": float(per_token_BT[trained_BT].double().sum().item()),
+        "importance/ratio_sum": float(ratio_T.sum().item()) if n_tokens else 0.0,
+        "importance/ratio_min": float(ratio_T.min().item()) if n_tokens else float("nan"),
+        "importance/ratio_max": float(ratio_T.max().item()) if n_tokens else float("nan"),
+        "importance/clipped_tokens": float(clipped),
+        "importance/mismatch_kl_sum": mismatch_kl_sum,
+        "importance/abs_logprob_diff_sum": float(log_ratio_T.abs().sum().item()) if n_tokens else 0.0,
+    }
+
+
+def finalize_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Combine per-micro-batch metrics from compute_loss into batch means/extremes."""
+    total = sum(p["tokens/trained"] for p in parts)
+    denom = max(total, 1.0)
+
+    def _sum(key: str) -> float:
+        return sum(p[key] for p in parts)
+
+    mins = [p["importance/ratio_min"] for p in parts if p["tokens/trained"]]
+    maxs = [p["importance/ratio_max"] for p in parts if p["tokens/trained"]]
+    return {
+        "tokens/trained": total,
+        "importance/ratio_mean": _sum("importance/ratio_sum") / denom if total else float("nan"),
+        "importance/ratio_min": min(mins) if mins else float("nan"),
+        "importance/ratio_max": max(maxs) if maxs else float("nan"),
+        "importance/clip_fraction": _sum("importance/clipped_tokens") / denom,
+        "importance/mismatch_kl": _sum("importance/mismatch_kl_sum") / denom,
+        "importance/logprob_diff_mean": _sum("importance/abs_logprob_diff_sum") / denom,
+    }

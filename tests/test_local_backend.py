@@ -1,0 +1,212 @@
+"""The local PEFT backend on the offline tiny model: alignment with sampler logprobs, training moves only LoRA,
+adapters reload with identical logits, resume is bit-exact, micro-batching equals one big batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import FIXTURE
+from trainer.backend import AdamParams
+from trainer.batch import IntakeOptions, TrainingExample, convert_batch
+from trainer.config import RunConfig
+from trainer.local_backend import LocalBackend
+from trainer.logprobs import compute_token_logprobs
+from trainer.losses import LossParams
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def make_cfg(tmp_path: Path, **over) -> RunConfig:
+    data = {
+        "model": {"path": "tiny"},
+        "lora": {"rank": 8, "alpha": 32, "target_modules": ALL_TARGETS, "dropout": 0.0},
+        "trainer": {"output_dir": str(tmp_path), "max_seq_len": 64, "micro_batch_tokens": 256,
+                    "logprob_chunk_tokens": 16},
+    }
+    for key, value in over.items():
+        section, name = key.split("__")
+        data.setdefault(section, {})[name] = value
+    return RunConfig.model_validate(data)
+
+
+@pytest.fixture(scope="module")
+def fixture_examples() -> list[TrainingExample]:
+    groups = json.loads(FIXTURE.read_text())["batch"]
+    return convert_batch(groups, IntakeOptions(vocab_size=2048, max_seq_len=64)).examples
+
+
+def lora_state(backend: LocalBackend) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in backend.model.named_parameters() if p.requires_grad}
+
+
+def test_fresh_adapter_reproduces_sampler_logprobs(tmp_path, fixture_examples):
+    """The fixture was sampled from the base model; a fresh LoRA (B = 0) must give the same logprobs."""
+    backend = LocalBackend(make_cfg(tmp_path))
+    result = backend.forward_backward(fixture_examples, LossParams("importance_sampling"))
+    diffs = [abs(t - s) for ex, lp in zip(fixture_examples, result.trainer_logprobs)
+             for t, s, m in zip(lp, ex.sampler_logprobs, ex.loss_mask) if m]
+    assert len(diffs) == sum(ex.num_trained for ex in fixture_examples)
+    assert max(diffs) < 1e-4, f"max |trainer - sampler| = {max(diffs)}"
+    assert result.metrics["importance/logprob_diff_mean"] < 1e-5
+    assert result.metrics["importance/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert result.metrics["perf/micro_batches"] >= 2  # 12 x ~30 tokens over a 256-token budget
+
+
+def test_chunked_logprobs_match_full_log_softmax():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    hidden = torch.randn(3, 5, 8, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 5))
+    select = torch.rand(3, 5) > 0.3
+    temp = torch.tensor([1.0, 0.5, 2.0])
+    got = compute_token_logprobs(head, hidden, targets, select, temp, chunk_tokens=2)
+    ref = torch.log_softmax(head(hidden).double() / temp[:, None, None].double(), -1).gather(2, targets[..., None])[..., 0]
+    ref = torch.where(select, ref, torch.zeros_like(ref))
+    assert (got.double() - ref).abs().max() < 1e-5
+    g_got = torch.autograd.grad(got.sum(), [hidden, head.weight])
+    g_ref = torch.autograd.grad(ref.sum(), [hidden, head.weight])
+    for a, b in zip(g_got, g_ref):
+        assert (a.double() - b).abs().max() < 1e-5
+
+
+def test_sft_steps_move_only_lora_and_lower_loss(tmp_path, fixture_examples):
+    backend = LocalBackend(make_cfg(tmp_path))
+    frozen_before = {n: p.detach().clone() for n, p in backend.model.named_parameters() if not p.requires_grad}
+    lora_before = lora_state(backend)
+    assert lora_before and all("lora_" in n for n in lora_before)
+    examples = fixture_examples[:4]
+    losses = []
+    for _ in range(5):
+        fb = backend.forward_backward(examples, LossParams("cross_entropy"), "token_mean")
+        losses.append(fb.loss)
+        metrics = backend.optim_step(AdamParams(learning_rate=1e-2, grad_clip_norm=1.0))
+        assert metrics["optim/grad_norm"] > 0 and metrics["optim/skipped_nonfinite"] == 0
+    assert losses[-1] < losses[0] - 0.5, losses
+    for n, p in backend.model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, frozen_before[n]), f"frozen parameter {n} moved"
+    moved = [n for n, p in lora_state(backend).items() if not torch.equal(p, lora_before[n])]
+    assert len(moved) == len(lora_before)
+    assert backend.step == 5
+
+
+def test_saved_adapter_reloads_in_peft_with_identical_logits(tmp_path, fixture_examples):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    backend = LocalBackend(make_cfg(tmp_path))
+    for _ in range(2):
+        backend.forward_backward(fixture_examples[:4], LossParams("importance_sampling"))
+        backend.optim_step(AdamParams(learning_rate=1e-2))
+    path = Path(backend.save_for_sampler(1))
+    assert path.name == "v000001" and sorted(p.name for p in path.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    assert not list(path.parent.glob(".*")), "temp folder left behind"
+    from safetensors.torch import load_file
+    saved = load_file(str(path / "adapter_model.safetensors"))
+    assert all("lora_" in k for k in saved) and all(v.dtype == torch.float32 for v in saved.values())
+    with pytest.raises(FileExistsError):
+        backend.save_for_sampler(1)
+
+    ids = torch.tensor([fixture_examples[0].input_ids])
+    backend.model.eval()
+    with torch.no_grad():
+        expected = backend.model(input_ids=ids).logits
+    base_path = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+    reloaded = PeftModel.from_pretrained(base, str(path)).eval()
+    with torch.no_grad():
+        got = reloaded(input_ids=ids).logits
+    assert torch.equal(got, expected), f"max diff {(got - expected).abs().max()}"
+    assert (plain - got).abs().max() > 1e-3, "the adapter changed nothing: training or saving is broken"
+
+
+def test_resume_reproduces_next_step_bit_for_bit(tmp_path, fixture_examples):
+    # LoRA dropout makes the step depend on the RNG, so the RNG state must be restored too.
+    cfg = make_cfg(tmp_path, lora__dropout=0.1)
+    adam = AdamParams(learning_rate=5e-3, weight_decay=0.01, grad_clip_norm=1.0)
+    loss = LossParams("ppo")
+    first = LocalBackend(cfg)
+    first.forward_backward(fixture_examples, loss)
+    first.optim_step(adam)
+    ckpt = first.save_state("step-1")
+    fb_a = first.forward_backward(fixture_examples, loss)
+    first.optim_step(adam)
+    after_a = lora_state(first)
+
+    torch.manual_seed(1234)  # a resumed process starts with an unrelated RNG state
+    second = LocalBackend(cfg)
+    second.load_state(ckpt)
+    assert second.step == 1
+    fb_b = second.forward_backward(fixture_examples, loss)
+    second.optim_step(adam)
+    assert fb_b.loss == fb_a.loss
+    after_b = lora_state(second)
+    assert all(torch.equal(after_a[n], after_b[n]) for n in after_a)
+    # and the weights really moved
+    assert any(not torch.equal(after_a[n], p) for n, p in lora_state(LocalBackend(cfg)).items())
+
+
+def test_resume_with_other_lora_config_is_refused(tmp_path, fixture_examples):
+    backend = LocalBackend(make_cfg(tmp_path))
+    ckpt = backend.save_state("s0")
+    other = LocalBackend(make_cfg(tmp_path, lora__rank=4))
+    with pytest.raises(ValueError, match="different 'lora' config"):
+        other.load_state(ckpt)
+
+
+def test_micro_batching_equals_one_big_batch(tmp_path, fixture_examples):
+    grads = []
+    for budget in (64, 4096):
+        backend = LocalBackend(make_cfg(tmp_path / str(budget), trainer__micro_batch_tokens=budget))
+        fb = backend.forward_backward(fixture_examples, LossParams("grpo"), "seq_mean_token_mean")
+        grads.append(({n: p.grad.clone() for n, p in backend.model.named_parameters() if p.requires_grad}, fb))
+    (g_small, fb_small), (g_big, fb_big) = grads
+    assert fb_small.metrics["perf/micro_batches"] > fb_big.metrics["perf/micro_batches"] == 1
+    assert fb_small.loss == pytest.approx(fb_big.loss, rel=1e-5, abs=1e-7)
+    for n in g_big:
+        assert torch.allclose(g_small[n], g_big[n], atol=1e-6, rtol=1e-4), n
+
+
+def test_gradient_checkpointing_gives_same_gradients(tmp_path, fixture_examples):
+    out = []
+    for ckpt in (False, True):
+        backend = LocalBackend(make_cfg(tmp_path / str(ckpt), model__gradient_checkpointing=ckpt))
+        fb = backend.forward_backward(fixture_examples[:4], LossParams("cross_entropy"))
+        out.append((fb.loss, {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.requires_grad}))
+    assert out[0][0] == pytest.approx(out[1][0], rel=1e-6)
+    for n in out[0][1]:
+        assert torch.allclose(out[0][1][n], out[1][1][n], atol=1e-6), n
+
+
+def test_nonfinite_gradient_skips_the_update(tmp_path, fixture_examples):
+    backend = LocalBackend(make_cfg(tmp_path))
+    backend.forward_backward(fixture_examples[:2], LossParams("cross_entropy"))
+    before = lora_state(backend)
+    next(p for p in backend.params).grad[0, 0] = float("nan")
+    metrics = backend.optim_step(AdamParams(learning_rate=1e-2))
+    assert metrics["optim/skipped_nonfinite"] == 1
+    assert all(torch.equal(before[n], p) for n, p in lora_state(backend).items())
+    assert all(p.grad is None for p in backend.params)
+
+
+def test_processed_sampler_logprobs_use_the_sequence_temperature(tmp_path, fixture_examples):
+    raw = LocalBackend(make_cfg(tmp_path / "raw"))
+    hot = LocalBackend(make_cfg(tmp_path / "hot", advantage__sampler_logprobs="processed"))
+    ex = fixture_examples[0]
+    at_half = TrainingExample(**{**ex.__dict__, "temperature": 0.5})
+    lp_raw = raw.forward_backward([at_half], LossParams("cross_entropy")).trainer_logprobs[0]
+    lp_hot = hot.forward_backward([at_half], LossParams("cross_entropy")).trainer_logprobs[0]
+    ids = torch.tensor([ex.input_ids])
+    with torch.no_grad():
+        logits = raw.model(input_ids=ids).logits[0].double()
+    ref = torch.log_softmax(logits / 0.5, -1).gather(1, torch.tensor(ex.target_ids)[:, None])[:, 0]
+    trained = [t for t, m in enumerate(ex.loss_mask) if m]
+    assert max(abs(lp_hot[t] - float(ref[t])) for t in trained) < 1e-4
+    assert max(abs(lp_hot[t] - lp_raw[t]) for t in trained) > 1e-2

@@ -11,13 +11,13 @@ import pytest
 from tests.helpers import FIXTURE, build_scored_groups, roundtrip_through_run_api, run_api
 from trainer.batch import (
     IntakeOptions,
+    ScoredDataGroup,
     compute_group_advantages,
     convert_batch,
     examples_to_tensors,
     parse_batch_response,
     plan_micro_batches,
     resolve_temperature,
-    ScoredDataGroup,
 )
 
 OPTS = IntakeOptions(vocab_size=2048, max_seq_len=64)
@@ -47,18 +47,18 @@ def test_fixture_converts_with_shift_masks_and_advantages(groups):
             assert m == (1.0 if trained else 0.0)
             # sampler logprob at position t is the logprob of target t+1, not the 1.0 prompt placeholder
             assert ex.sampler_logprobs[t] == (lps[t + 1] if trained else 0.0)
-        assert all(lp < 0 for lp, m in zip(ex.sampler_logprobs, ex.loss_mask) if m)
+        assert all(lp < 0 for lp, m in zip(ex.sampler_logprobs, ex.loss_mask, strict=False) if m)
     by_seq = {(e.group_index, e.sequence_index): e for e in out.examples}
     # group 0: scores [0, 1, 0, 1] -> advantages -0.5 / +0.5 on every trained token, 0 on the prompt
     scores0 = groups[0]["scores"]
     for si, s in enumerate(scores0):
         ex = by_seq[(0, si)]
-        assert {a for a, m in zip(ex.advantages, ex.loss_mask) if m} == {s - sum(scores0) / 4}
-        assert all(a == 0 for a, m in zip(ex.advantages, ex.loss_mask) if not m)
+        assert {a for a, m in zip(ex.advantages, ex.loss_mask, strict=False) if m} == {s - sum(scores0) / 4}
+        assert all(a == 0 for a, m in zip(ex.advantages, ex.loss_mask, strict=False) if not m)
     # group 2 sends token-level advantages: used as sent, shifted by one
     for si in range(4):
         ex = by_seq[(2, si)]
-        assert ex.advantages == [a if m else 0.0 for a, m in zip(groups[2]["advantages"][si][1:], ex.loss_mask)]
+        assert ex.advantages == [a if m else 0.0 for a, m in zip(groups[2]["advantages"][si][1:], ex.loss_mask, strict=False)]
     # group 3 seq 0 carries set_advantage_to_zero
     assert groups[3]["overrides"][0] == {"set_advantage_to_zero": True}
     assert all(a == 0 for a in by_seq[(3, 0)].advantages)
@@ -149,7 +149,7 @@ def test_bad_sequence_is_dropped_rest_of_group_trains(groups, field, mutate, rea
     assert (0, 1) not in {(e.group_index, e.sequence_index) for e in out.examples}
     # the group's other sequences keep advantages computed from all four scores
     ex = next(e for e in out.examples if (e.group_index, e.sequence_index) == (0, 0))
-    assert {a for a, m in zip(ex.advantages, ex.loss_mask) if m} == {-0.5}
+    assert {a for a, m in zip(ex.advantages, ex.loss_mask, strict=False) if m} == {-0.5}
 
 
 def test_nan_logprob_at_prompt_position_is_harmless(groups):

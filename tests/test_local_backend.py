@@ -47,8 +47,8 @@ def test_fresh_adapter_reproduces_sampler_logprobs(tmp_path, fixture_examples):
     """The fixture was sampled from the base model; a fresh LoRA (B = 0) must give the same logprobs."""
     backend = LocalBackend(make_cfg(tmp_path))
     result = backend.forward_backward(fixture_examples, LossParams("importance_sampling"))
-    diffs = [abs(t - s) for ex, lp in zip(fixture_examples, result.trainer_logprobs)
-             for t, s, m in zip(lp, ex.sampler_logprobs, ex.loss_mask) if m]
+    diffs = [abs(t - s) for ex, lp in zip(fixture_examples, result.trainer_logprobs, strict=False)
+             for t, s, m in zip(lp, ex.sampler_logprobs, ex.loss_mask, strict=False) if m]
     assert len(diffs) == sum(ex.num_trained for ex in fixture_examples)
     assert max(diffs) < 1e-4, f"max |trainer - sampler| = {max(diffs)}"
     assert result.metrics["importance/logprob_diff_mean"] < 1e-5
@@ -69,7 +69,7 @@ def test_chunked_logprobs_match_full_log_softmax():
     assert (got.double() - ref).abs().max() < 1e-5
     g_got = torch.autograd.grad(got.sum(), [hidden, head.weight])
     g_ref = torch.autograd.grad(ref.sum(), [hidden, head.weight])
-    for a, b in zip(g_got, g_ref):
+    for a, b in zip(g_got, g_ref, strict=False):
         assert (a.double() - b).abs().max() < 1e-5
 
 

@@ -160,13 +160,16 @@ def _check_group(gi: int, g: ScoredDataGroup, opts: IntakeOptions) -> Drop | Non
     n = len(g.tokens)
     if n == 0:
         return Drop(gi, None, "tokens", "empty group")
-    per_seq_fields = {"masks": g.masks, "scores": g.scores, "inference_logprobs": g.inference_logprobs,
+    per_seq_fields: dict[str, list[Any] | None] = {"masks": g.masks, "scores": g.scores, "inference_logprobs": g.inference_logprobs,
                       "advantages": g.advantages, "overrides": g.overrides}
     for name, value in per_seq_fields.items():
         if value is not None and len(value) != n:
             return Drop(gi, None, name, f"has {len(value)} entries for {n} sequences")
-    for name, value in (("masks", g.masks), ("inference_logprobs", g.inference_logprobs), ("advantages", g.advantages)):
+    rows: dict[str, list[list[int]] | list[list[float]] | None] = {  # per-token fields
+        "masks": g.masks, "inference_logprobs": g.inference_logprobs, "advantages": g.advantages}
+    for name, value in rows.items():
         for si, row in enumerate(value or []):
+            assert isinstance(row, list)  # pydantic validated it
             if len(row) != len(g.tokens[si]):
                 return Drop(gi, None, name, f"sequence {si} has {len(row)} values for {len(g.tokens[si])} tokens")
     for si, score in enumerate(g.scores):
@@ -213,7 +216,8 @@ def _convert_sequence(
     loss_mask = [0.0 if m == IGNORE_INDEX else 1.0 for m in masks[1:]]
     if not any(loss_mask):
         return Drop(gi, si, "masks", "no trained token (empty completion)")
-    zero_adv = bool(g.overrides and g.overrides[si] and g.overrides[si].get("set_advantage_to_zero"))
+    override = g.overrides[si] if g.overrides else None
+    zero_adv = bool(override and override.get("set_advantage_to_zero"))
     if g.advantages is not None:
         advantages = [float(a) for a in g.advantages[si][1:]]
     else:
@@ -222,15 +226,15 @@ def _convert_sequence(
         advantages = [0.0] * len(loss_mask)
     sampler = [float(x) for x in g.inference_logprobs[si][1:]] if g.inference_logprobs else [0.0] * len(loss_mask)
     for name, values in (("inference_logprobs", sampler), ("advantages", advantages)):
-        bad = next((t for t, (m, v) in enumerate(zip(loss_mask, values)) if m and not math.isfinite(v)), None)
+        bad = next((t for t, (m, v) in enumerate(zip(loss_mask, values, strict=False)) if m and not math.isfinite(v)), None)
         if bad is not None:
             return Drop(gi, si, name, f"{values[bad]} at trained position {bad + 1}")
     return TrainingExample(
         input_ids=list(tokens[:-1]),
         target_ids=list(tokens[1:]),
         loss_mask=loss_mask,
-        sampler_logprobs=[v if m else 0.0 for m, v in zip(loss_mask, sampler)],
-        advantages=[v if m else 0.0 for m, v in zip(loss_mask, advantages)],
+        sampler_logprobs=[v if m else 0.0 for m, v in zip(loss_mask, sampler, strict=False)],
+        advantages=[v if m else 0.0 for m, v in zip(loss_mask, advantages, strict=False)],
         temperature=resolve_temperature(g, si),
         group_index=gi,
         sequence_index=si,

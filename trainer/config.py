@@ -30,7 +30,7 @@ class ModelConfig(_Section):
 
 class LoraConfig(_Section):
     rank: int = Field(32, ge=1, description="LoRA rank r")
-    alpha: float = Field(32.0, gt=0, description="LoRA alpha; scale = alpha / rank")
+    alpha: int = Field(32, gt=0, description="LoRA alpha; scale = alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="module names to adapt; all-linear = every linear projection except lm_head"
@@ -87,12 +87,12 @@ class TrainerConfig(_Section):
 
 
 class RunConfig(_Section):
-    model: ModelConfig = ModelConfig()
-    lora: LoraConfig = LoraConfig()
-    optim: OptimConfig = OptimConfig()
-    loss: LossConfig = LossConfig()
-    advantage: AdvantageConfig = AdvantageConfig()
-    trainer: TrainerConfig = TrainerConfig()
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -23,7 +23,14 @@ from trainer.backend import AdamParams, ForwardBackwardResult
 from trainer.batch import TrainingExample, examples_to_tensors, plan_micro_batches
 from trainer.config import RunConfig
 from trainer.logprobs import compute_token_logprobs
-from trainer.losses import LossInputs, LossParams, Reduction, compute_loss, compute_reduction_weights, finalize_metrics
+from trainer.losses import (
+    LossInputs,
+    LossParams,
+    Reduction,
+    compute_loss,
+    compute_reduction_weights,
+    finalize_metrics,
+)
 
 ADAPTER_FILE = "adapter_model.safetensors"
 
@@ -234,9 +241,9 @@ class LocalBackend:
             if saved_cfg[section] != json.loads(getattr(self.cfg, section).model_dump_json()):
                 raise ValueError(f"checkpoint {src} was made with a different '{section}' config; resume with the same")
         weights = load_file(str(src / ADAPTER_FILE), device=str(self.device))
-        result = set_peft_model_state_dict(self.model, weights)
-        if getattr(result, "unexpected_keys", None):
-            raise ValueError(f"checkpoint {src} has unexpected adapter keys: {result.unexpected_keys[:3]}")
+        unexpected = getattr(set_peft_model_state_dict(self.model, weights), "unexpected_keys", None) or []
+        if unexpected:
+            raise ValueError(f"checkpoint {src} has unexpected adapter keys: {unexpected[:3]}")
         state = torch.load(src / "trainer_state.pt", map_location=self.device, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self._step = int(state["step"])

@@ -13,15 +13,16 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
-BUILDER_VERSION = 1  # bump when the recipe changes so cached copies are rebuilt
+BUILDER_VERSION = 2  # bump when the recipe changes so cached copies are rebuilt
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-MODEL_SHAPE = {
+MODEL_SHAPE: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
@@ -103,11 +104,11 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
         eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")],
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
         **MODEL_SHAPE,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -1,0 +1,181 @@
+"""Trainer throughput benchmark: LoRA forward+backward+AdamW tokens/s, MFU, peak memory, adapter save time.
+
+    python -m trainer.bench                                  # tiny offline model on CPU
+    python -m trainer.bench --shape llama-3.1-8b --device cuda  # random Llama-3.1-8B shape, seq 512, rank 32
+
+Prints one JSON object (medians over --steps timed steps after one warm-up) with the command, git sha and
+hardware. The 8B shape is randomly initialised on the device: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.backend import AdamParams
+from trainer.batch import TrainingExample
+from trainer.config import RunConfig
+from trainer.local_backend import LocalBackend
+from trainer.losses import LossParams
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+}
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense tensor-core peaks (spec sheets)
+
+
+def synthetic_examples(n: int, seq_len: int, vocab: int, prompt_len: int, seed: int) -> list[TrainingExample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        tokens = torch.randint(0, vocab, (seq_len + 1,), generator=g).tolist()
+        trained = seq_len - prompt_len
+        out.append(TrainingExample(
+            input_ids=tokens[:-1], target_ids=tokens[1:],
+            loss_mask=[0.0] * prompt_len + [1.0] * trained,
+            sampler_logprobs=[0.0] * prompt_len + [-11.0] * trained,
+            advantages=[0.0] * prompt_len + [1.0 if i % 2 else -1.0] * trained,
+            group_index=i // 8, sequence_index=i % 8,
+        ))
+    return out
+
+
+def build_backend(args: argparse.Namespace, out_dir: Path) -> tuple[LocalBackend, int]:
+    cfg = RunConfig.model_validate({
+        "model": {"path": "tiny", "device": args.device, "dtype": "auto",
+                  "gradient_checkpointing": args.gradient_checkpointing},
+        "lora": {"rank": args.rank, "alpha": args.rank, "target_modules": "all-linear"},
+        "trainer": {"output_dir": str(out_dir), "max_seq_len": args.seq_len + 1,
+                    "micro_batch_tokens": max(args.micro_batch_tokens, args.seq_len + 1),
+                    "logprob_chunk_tokens": args.chunk_tokens},
+    })
+    model = None
+    if args.shape != "tiny":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape], dtype=dtype))
+            model = model.bfloat16() if dtype == torch.bfloat16 else model.float()
+    backend = LocalBackend(cfg, model=model)
+    base_params = sum(p.numel() for n, p in backend.model.named_parameters() if "lora_" not in n)
+    return backend, base_params
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def hardware() -> dict[str, Any]:
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    return info
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    out_dir = Path(tempfile.mkdtemp(prefix="trainer-bench-"))
+    backend, base_params = build_backend(args, out_dir)
+    device = backend.device
+    examples = synthetic_examples(args.batch_seqs, args.seq_len, backend.vocab_size, args.prompt_len, 0)
+    tokens_per_step = args.batch_seqs * args.seq_len
+    adam = AdamParams(learning_rate=1e-5, grad_clip_norm=1.0)
+    loss = LossParams("importance_sampling")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    step_times, fb_times = [], []
+    for step in range(args.steps + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        backend.forward_backward(examples, loss)
+        sync(device)
+        t1 = time.perf_counter()
+        backend.optim_step(adam)
+        sync(device)
+        if step > 0:  # step 0 warms up kernels and allocators
+            step_times.append(time.perf_counter() - t0)
+            fb_times.append(t1 - t0)
+    save_times = []
+    for version in range(1, args.saves + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        path = backend.save_for_sampler(version)
+        save_times.append(time.perf_counter() - t0)
+    adapter_bytes = (Path(path) / "adapter_model.safetensors").stat().st_size
+    step_s = statistics.median(step_times)
+    result: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, "-m", "trainer.bench", *sys.argv[1:]]),
+        "git_sha": git_sha(),
+        "hardware": hardware(),
+        "torch": torch.__version__,
+        "config": {k: v for k, v in vars(args).items()},
+        "base_params": base_params,
+        "lora_params": sum(p.numel() for p in backend.params),
+        "tokens_per_step": tokens_per_step,
+        "step_s_median": step_s,
+        "forward_backward_s_median": statistics.median(fb_times),
+        "train_tokens_per_s": tokens_per_step / step_s,
+        "adapter_mb": adapter_bytes / 1e6,
+        "adapter_save_s_median": statistics.median(save_times),
+        "adapter_save_s_max": max(save_times),
+    }
+    if device.type == "cuda":
+        result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in torch.cuda.get_device_name(0)), None)
+        # 4 x params x tokens: forward 2 + backward activation-gradients 2 (LoRA: no weight gradients for the base)
+        result["achieved_tflops"] = 4 * base_params * tokens_per_step / step_s / 1e12
+        if peak:
+            result["peak_bf16_tflops"] = peak / 1e12
+            result["mfu"] = result["achieved_tflops"] * 1e12 / peak
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=["tiny", *SHAPES], default="tiny")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=128, help="untrained prefix tokens per sequence")
+    p.add_argument("--batch-seqs", type=int, default=16)
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
+    p.add_argument("--saves", type=int, default=5, help="timed adapter saves")
+    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--chunk-tokens", type=int, default=1024)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    print(json.dumps(run(parse_args(argv)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

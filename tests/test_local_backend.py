@@ -16,6 +16,7 @@ from trainer.config import RunConfig
 from trainer.local_backend import LocalBackend
 from trainer.logprobs import compute_token_logprobs
 from trainer.losses import LossParams
+from trainer.schedule import build_adam_params
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
@@ -129,15 +130,15 @@ def test_saved_adapter_reloads_in_peft_with_identical_logits(tmp_path, fixture_e
 
 def test_resume_reproduces_next_step_bit_for_bit(tmp_path, fixture_examples):
     # LoRA dropout makes the step depend on the RNG, so the RNG state must be restored too.
-    cfg = make_cfg(tmp_path, lora__dropout=0.1)
-    adam = AdamParams(learning_rate=5e-3, weight_decay=0.01, grad_clip_norm=1.0)
+    # The LR schedule (warmup) depends on the restored step count.
+    cfg = make_cfg(tmp_path, lora__dropout=0.1, optim__lr=5e-3, optim__weight_decay=0.01, optim__warmup_steps=4)
     loss = LossParams("ppo")
     first = LocalBackend(cfg)
     first.forward_backward(fixture_examples, loss)
-    first.optim_step(adam)
+    first.optim_step(build_adam_params(first.step, cfg.optim))
     ckpt = first.save_state("step-1")
     fb_a = first.forward_backward(fixture_examples, loss)
-    first.optim_step(adam)
+    lr_a = first.optim_step(build_adam_params(first.step, cfg.optim))["optim/lr"]
     after_a = lora_state(first)
 
     torch.manual_seed(1234)  # a resumed process starts with an unrelated RNG state
@@ -145,7 +146,8 @@ def test_resume_reproduces_next_step_bit_for_bit(tmp_path, fixture_examples):
     second.load_state(ckpt)
     assert second.step == 1
     fb_b = second.forward_backward(fixture_examples, loss)
-    second.optim_step(adam)
+    lr_b = second.optim_step(build_adam_params(second.step, cfg.optim))["optim/lr"]
+    assert lr_a == lr_b == 2.5e-3
     assert fb_b.loss == fb_a.loss
     after_b = lora_state(second)
     assert all(torch.equal(after_a[n], after_b[n]) for n in after_a)

@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from inference.config import GatewayConfig
 from trainer.losses import DEFAULT_DRO_BETA, LossName, LossParams, Reduction
 
 
@@ -93,9 +94,12 @@ class RunConfig(_Section):
     loss: LossConfig = Field(default_factory=LossConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    inference: GatewayConfig = Field(default_factory=GatewayConfig)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
+        if self.inference.model is None:  # the sampler serves the model the trainer trains unless told otherwise
+            self.inference.model = self.model.path
         if self.loss.tis_cap is not None and self.loss.name in ("cross_entropy", "dro"):
             raise ValueError(f"loss.tis_cap applies to ratio losses, not loss.name={self.loss.name!r}")
         if self.trainer.micro_batch_tokens < self.trainer.max_seq_len:

@@ -1,0 +1,267 @@
+"""The gateway's HTTP surface, built by create_app(config, backend, ...): the one server environments talk to.
+
+Routes are thin: parse and validate the body, pick the current policy, call the sampling backend, record which
+version produced each completion. The backend (local vLLM, later Tinker) does the sampling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from inference.config import GatewayConfig
+from inference.policy import Policy, PolicyRegistry, VersionLedger, lora_name
+from inference.vllm_backend import BackendError
+from inference.wire import (
+    LookupRequest,
+    LookupResponse,
+    PolicyStatus,
+    PublishRequest,
+    PublishResponse,
+    Sample,
+    SamplingRequest,
+    SGLangGenerateRequest,
+    VLLMGenerateRequest,
+    sglang_generate_response,
+    vllm_generate_response,
+)
+
+log = logging.getLogger("inference.app")
+VERSION_HEADER = "X-Policy-Version"
+
+
+class SamplingBackend(Protocol):
+    url: str
+    state: str
+    restarts: int
+    max_model_len: int | None
+
+    @property
+    def ready(self) -> bool: ...
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def sample(self, req: SamplingRequest, policy: Policy) -> list[Sample]: ...
+    async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]: ...
+    async def load_adapter(self, policy: Policy) -> None: ...
+    async def unload_adapter(self, policy: Policy) -> None: ...
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+def _validation_message(exc: ValidationError | RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if p != "body")
+        parts.append(f"{loc or 'body'}: {err['msg']} (got {str(err.get('input'))[:80]})")
+    return "; ".join(parts)
+
+
+def check_adapter_folder(path: str, max_rank: int) -> None:
+    """Refuse an adapter vLLM would refuse (or crash on) before asking vLLM."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise BackendError(400, f"adapter_path {path!r} is not a folder on the gateway's machine")
+    cfg_file = folder / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise BackendError(400, f"{path!r} has no adapter_config.json: is it a PEFT adapter folder?")
+    if not any((folder / n).is_file() for n in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise BackendError(400, f"{path!r} has no adapter_model.safetensors")
+    try:
+        rank = int(json.loads(cfg_file.read_text()).get("r", 0))
+    except (ValueError, TypeError) as exc:
+        raise BackendError(400, f"{cfg_file} is not valid JSON with an integer 'r': {exc}") from exc
+    if rank > max_rank:
+        raise BackendError(400, f"adapter rank {rank} exceeds the gateway's vllm.max_lora_rank {max_rank}; "
+                                "restart the gateway with a larger ceiling or train a smaller rank")
+
+
+class Gateway:
+    """State shared by the routes: policies, ledger, limits."""
+
+    def __init__(self, cfg: GatewayConfig, backend: SamplingBackend, registry: PolicyRegistry, vocab_size: int):
+        self.cfg = cfg
+        self.backend = backend
+        self.registry = registry
+        self.ledger = VersionLedger(cfg.ledger_size)
+        self.vocab_size = vocab_size
+        self.publish_lock = asyncio.Lock()
+        self.cleanup_lock = asyncio.Lock()
+
+    def validate_tokens(self, ids: list[int], max_tokens: int, field: str) -> None:
+        bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
+        if bad is not None:
+            raise BackendError(400, f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        limit = self.backend.max_model_len
+        if limit is not None and len(ids) + max_tokens > limit:
+            raise BackendError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                                    f"context of {limit} tokens; lower max_tokens or shorten the prompt")
+
+    async def run(self, coro_fn: Any) -> tuple[Any, Policy]:
+        """Run a backend call on the current policy, keeping that policy loaded until the call returns."""
+        if not self.backend.ready and self.backend.state in ("failed", "stopped"):
+            raise BackendError(503, f"sampling backend is {self.backend.state}")
+        policy = self.registry.acquire()
+        try:
+            return await coro_fn(policy), policy
+        finally:
+            self.registry.release(policy)
+            if self.registry.removable():
+                asyncio.get_running_loop().create_task(self.unload_stale())
+
+    async def unload_stale(self) -> list[int]:
+        removed = []
+        async with self.cleanup_lock:
+            for policy in self.registry.removable():
+                self.registry.remove(policy.version)
+                removed.append(policy.version)
+                try:
+                    await self.backend.unload_adapter(policy)
+                except BackendError as exc:  # a leaked slot is not worth failing a request over
+                    log.warning("unloading %s failed: %s", policy.model_name, exc.message)
+        return removed
+
+    async def publish(self, req: PublishRequest) -> PublishResponse:
+        check_adapter_folder(req.adapter_path, self.cfg.vllm.max_lora_rank)
+        async with self.publish_lock:
+            current = self.registry.current.version
+            if req.version <= current:
+                raise BackendError(409, f"version {req.version} is not newer than the current version {current}")
+            policy = Policy(req.version, lora_name(req.version), str(Path(req.adapter_path).resolve()))
+            started = time.perf_counter()
+            await self.backend.load_adapter(policy)
+            self.registry.publish(policy)
+            load_s = time.perf_counter() - started
+        unloaded = await self.unload_stale()
+        log.info("published version %d in %.3fs (unloaded %s)", req.version, load_s, unloaded)
+        return PublishResponse(version=req.version, lora_name=policy.model_name, load_s=load_s, unloaded=unloaded)
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BackendError(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BackendError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _parse_generate(body: dict[str, Any]) -> tuple[str, SamplingRequest]:
+    try:
+        if "input_ids" in body:
+            return "sglang", SGLangGenerateRequest.model_validate(body).to_sampling()
+        if "prompt" in body:
+            return "vllm", VLLMGenerateRequest.model_validate(body).to_sampling()
+    except ValidationError as exc:
+        raise BackendError(400, _validation_message(exc)) from exc
+    raise BackendError(400, "expected 'prompt': {'prompt_token_ids': [...]} (vLLM style) or 'input_ids' (SGLang style)")
+
+
+def create_app(cfg: GatewayConfig, backend: SamplingBackend, registry: PolicyRegistry, vocab_size: int,
+               start_backend: bool = True) -> FastAPI:
+    gw = Gateway(cfg, backend, registry, vocab_size)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(backend.start()) if start_backend else None
+        yield
+        if task is not None and not task.done():
+            task.cancel()
+        await backend.stop()
+
+    app = FastAPI(title="RL policy gateway", lifespan=lifespan)
+    app.state.gateway = gw
+
+    @app.exception_handler(BackendError)
+    async def _backend_error(_: Request, exc: BackendError) -> JSONResponse:
+        return error(exc.status, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error(400, _validation_message(exc))
+
+    def respond(body: Any, policy: Policy) -> JSONResponse:
+        return JSONResponse(body, headers={VERSION_HEADER: str(policy.version)})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if backend.ready:
+            return JSONResponse({"status": "ok", "policy_version": registry.current.version})
+        return error(503, f"sampling backend is {backend.state}")
+
+    @app.post("/generate")
+    async def generate(request: Request) -> JSONResponse:
+        dialect, req = _parse_generate(await _json_object(request))
+        gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
+        samples, policy = await gw.run(lambda p: backend.sample(req, p))
+        for s in samples:
+            gw.ledger.record(req.prompt_token_ids, s.token_ids, policy.version)
+        if dialect == "sglang":
+            return respond(sglang_generate_response(samples, policy.version, len(req.prompt_token_ids)), policy)
+        return respond(vllm_generate_response(samples, policy.version), policy)
+
+    async def openai_route(request: Request, path: str) -> JSONResponse:
+        body = await _json_object(request)
+        if body.get("stream"):
+            raise BackendError(400, "stream=true is not supported by the gateway; send stream=false")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            gw.validate_tokens(prompt, int(body.get("max_tokens") or 16), "prompt")
+        body.setdefault("return_token_ids", True)  # lets the ledger record what was sampled
+        result, policy = await gw.run(lambda p: backend.forward(path, body, p))
+        for choice in result.get("choices", []):
+            prompt_ids = choice.get("prompt_token_ids") or result.get("prompt_token_ids")
+            if prompt_ids is not None and choice.get("token_ids") is not None:
+                gw.ledger.record(list(prompt_ids), list(choice["token_ids"]), policy.version)
+        result["policy_version"] = policy.version
+        return respond(result, policy)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        return await openai_route(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        return await openai_route(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        current = registry.current
+        return respond({"object": "list", "data": [{
+            "id": cfg.served_model_name, "object": "model", "owned_by": "gateway",
+            "max_model_len": backend.max_model_len, "policy_version": current.version}]}, current)
+
+    @app.post("/policy/publish")
+    async def publish(req: PublishRequest, request: Request) -> PublishResponse:
+        if cfg.publish_token is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {cfg.publish_token}".encode()):
+                raise BackendError(401, "publishing needs 'Authorization: Bearer <inference.publish_token>'")
+        return await gw.publish(req)
+
+    @app.post("/policy/lookup")
+    async def lookup(req: LookupRequest) -> LookupResponse:
+        return LookupResponse(versions=[gw.ledger.lookup(seq) for seq in req.sequences])
+
+    @app.get("/policy")
+    async def status() -> PolicyStatus:
+        return PolicyStatus(current_version=registry.current.version,
+                            loaded_versions=[p.version for p in registry.loaded()],
+                            in_flight=registry.in_flight(), healthy=backend.ready, state=backend.state,
+                            restarts=backend.restarts, backend_url=backend.url)
+
+    return app

@@ -1,0 +1,59 @@
+"""The gateway's configuration section (`inference:` in a run config). Pure pydantic: no I/O."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+LORA_RANK_CEILINGS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM accepts these for --max-lora-rank
+
+
+class VLLMConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    port: int = Field(0, ge=0, lt=65536, description="vLLM's own port on 127.0.0.1; 0 = pick a free one")
+    dtype: str = Field("auto", description="--dtype; use float32 on CPU so logprobs match the trainer")
+    max_lora_rank: int = Field(32, description="--max-lora-rank ceiling; adapters above it are refused")
+    max_model_len: int | None = Field(None, ge=16, description="--max-model-len, tokens; None = model's")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="CUDA build only")
+    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="--kv-cache-memory-bytes (CPU: 64MiB is plenty)")
+    logprobs_mode: str | None = Field(None, description="--logprobs-mode, e.g. processed_logprobs; None = raw")
+    enforce_eager: bool = Field(False, description="--enforce-eager (skip CUDA graphs)")
+    extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the vLLM command")
+    startup_timeout_s: float = Field(600.0, gt=0, description="deadline for the first real completion, seconds")
+    max_restarts: int = Field(5, ge=0, description="crash restarts before the gateway gives up and exits")
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _check_rank(cls, value: int) -> int:
+        if value not in LORA_RANK_CEILINGS:
+            raise ValueError(f"must be one of {LORA_RANK_CEILINGS}")
+        return value
+
+
+class GatewayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="base model (hub id, folder, 'tiny'); None = the run's model.path")
+    served_model_name: str = Field("policy", description="name of the base model (policy version 0) inside vLLM")
+    host: str = Field("127.0.0.1", description="bind address of the gateway")
+    port: int = Field(9000, ge=0, lt=65536, description="gateway port; 0 = pick a free one")
+    publish_token: str | None = Field(None, description="bearer token for /policy/publish; required off loopback")
+    max_staleness: int = Field(3, ge=0, description="policy versions behind current that stay loaded")
+    ledger_size: int = Field(200_000, ge=1, description="completions remembered for /policy/lookup")
+    request_timeout_s: float = Field(600.0, gt=0, description="per request to vLLM, seconds")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> GatewayConfig:
+        if self.host not in LOOPBACK_HOSTS and not self.publish_token:
+            raise ValueError(
+                f"inference.host={self.host!r} exposes the gateway beyond this machine: set inference.publish_token "
+                "so that only the trainer can publish policies"
+            )
+        return self
+
+    @property
+    def max_loras(self) -> int:
+        # The window (max_staleness + 1 versions) plus the version being published before the oldest is unloaded.
+        return self.max_staleness + 2

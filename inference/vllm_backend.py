@@ -1,0 +1,301 @@
+"""The local sampling backend: one supervised vLLM OpenAI server with runtime LoRA loading.
+
+Owns the vLLM process (start, real-completion readiness, crash restart with adapters restored) and translates
+dialect-free sampling requests into vLLM's /v1/completions. Knows nothing of policy versions beyond the
+model names it is told to use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inference.config import GatewayConfig
+from inference.policy import Policy
+from inference.wire import Sample, SamplingRequest
+
+log = logging.getLogger("inference.vllm")
+
+
+class BackendError(Exception):
+    """A request failed; `status` is the HTTP status the gateway should answer with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def build_vllm_command(cfg: GatewayConfig, model_path: str, port: int,
+                       python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """argv and the extra environment for a vLLM OpenAI server that accepts LoRA adapters at run time."""
+    v = cfg.vllm
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_path,
+        "--served-model-name", cfg.served_model_name,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", v.dtype,
+        "--enable-lora",
+        "--max-lora-rank", str(v.max_lora_rank),
+        "--max-loras", str(cfg.max_loras),
+        # vLLM's own sampling defaults (temperature 1, top_p 1), not the model's generation_config.json:
+        # an env that omits top_p must get the full distribution its logprobs describe.
+        "--generation-config", "vllm",
+    ]
+    if v.max_model_len is not None:
+        argv += ["--max-model-len", str(v.max_model_len)]
+    if v.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(v.gpu_memory_utilization)]
+    if v.kv_cache_memory_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(v.kv_cache_memory_bytes)]
+    if v.logprobs_mode is not None:
+        argv += ["--logprobs-mode", v.logprobs_mode]
+    if v.enforce_eager:
+        argv.append("--enforce-eager")
+    argv += list(v.extra_args)
+    return argv, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def _die_with_parent() -> None:
+    """In the vLLM child: get SIGTERM if the gateway dies, even by SIGKILL, so vLLM is never orphaned."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_completion_choices(body: dict[str, Any]) -> list[Sample]:
+    """Samples from a vLLM /v1/completions body requested with logprobs=0 and return_tokens_as_token_ids."""
+    samples = []
+    for choice in sorted(body["choices"], key=lambda c: c["index"]):
+        lp = choice.get("logprobs") or {"tokens": [], "token_logprobs": []}
+        ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+        samples.append(Sample(token_ids=ids, logprobs=[float(x) for x in lp["token_logprobs"]],
+                              finish_reason=choice.get("finish_reason") or "stop",
+                              stop_reason=choice.get("stop_reason")))
+    return samples
+
+
+class VLLMBackend:
+    def __init__(self, cfg: GatewayConfig, model_path: str, log_path: Path,
+                 restore: Callable[[], list[Policy]]):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.log_path = log_path
+        self.restore = restore  # adapters to load again after a crash restart
+        self.port = cfg.vllm.port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.state = "stopped"  # starting | ready | restarting | failed | stopped
+        self.restarts = 0
+        self.max_model_len: int | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._ready = asyncio.Event()
+        self._client = httpx.AsyncClient(
+            base_url=self.url, timeout=cfg.request_timeout_s,
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        self._supervisor: asyncio.Task[None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    # --- process lifecycle ----------------------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        argv, extra_env = build_vllm_command(self.cfg, self.model_path, self.port)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as logf:
+            logf.write(f"\n=== starting vLLM: {' '.join(argv)}\n".encode())
+            self.proc = subprocess.Popen(argv, env={**os.environ, **extra_env}, stdout=logf,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+        log.info("vLLM pid %s on port %s (log %s)", self.proc.pid, self.port, self.log_path)
+
+    async def _wait_until_completes(self) -> None:
+        # /health turns 200 before the first request can fail (CPU attention): only a completion proves readiness.
+        deadline = time.monotonic() + self.cfg.vllm.startup_timeout_s
+        probe = {"model": self.cfg.served_model_name, "prompt": [0], "max_tokens": 1, "temperature": 0.0}
+        while True:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise BackendError(503, f"vLLM exited with code {self.proc.returncode} while starting; "
+                                        f"read {self.log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                r = await self._client.post("/v1/completions", json=probe, timeout=30)
+                if r.status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise BackendError(503, f"vLLM gave no completion within {self.cfg.vllm.startup_timeout_s}s; "
+                                        f"read {self.log_path}")
+            await asyncio.sleep(0.5)
+        models = (await self._client.get("/v1/models")).json()["data"]
+        self.max_model_len = next((m.get("max_model_len") for m in models if m["id"] == self.cfg.served_model_name),
+                                  None)
+
+    async def start(self) -> None:
+        self.state = "starting"
+        self._spawn()
+        try:
+            await self._wait_until_completes()
+        except BackendError:
+            self.state = "failed"
+            await asyncio.to_thread(self._kill)
+            raise
+        self.state = "ready"
+        self._ready.set()
+        self._supervisor = asyncio.create_task(self._supervise())
+
+    async def _supervise(self) -> None:
+        while self.state in ("ready", "restarting"):
+            await asyncio.sleep(0.25)
+            if self.proc is not None and self.proc.poll() is None:
+                continue
+            code = self.proc.returncode if self.proc else None
+            log.error("vLLM died (exit code %s); restarting", code)
+            await asyncio.to_thread(self._kill)  # its engine and worker processes outlive a SIGKILLed API server: reap the group
+            self._ready.clear()
+            self.state = "restarting"
+            if self.restarts >= self.cfg.vllm.max_restarts:
+                self.state = "failed"
+                log.error("vLLM restarted %d times already; giving up", self.restarts)
+                return
+            self.restarts += 1
+            try:
+                self._spawn()
+                await self._wait_until_completes()
+                for policy in self.restore():
+                    await self.load_adapter(policy, during_restart=True)
+            except BackendError as exc:
+                log.error("restart failed: %s", exc.message)
+                await asyncio.to_thread(self._kill)
+                continue  # the loop sees a dead process and tries again
+            self.state = "ready"
+            self._ready.set()
+            log.info("vLLM back after restart %d", self.restarts)
+
+    def _kill(self) -> None:
+        """Stop vLLM and every process it started (its own session/process group, named by its PID)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 10
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    async def stop(self) -> None:
+        self.state = "stopped"
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        await asyncio.to_thread(self._kill)
+        await self._client.aclose()
+
+    # --- requests -------------------------------------------------------------------------------------------
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST to vLLM; a request cut by a crash waits for the restart and is sent once more."""
+        for attempt in range(2):
+            if not self._ready.is_set():
+                await self._wait_ready()
+            try:
+                r = await self._client.post(path, json=body)
+            except httpx.TransportError as exc:
+                if attempt == 0 and self.state in ("ready", "restarting"):
+                    await asyncio.sleep(0.5)  # let the supervisor notice the dead process
+                    continue
+                raise BackendError(503, f"vLLM unreachable: {exc!r}") from exc
+            return self._check(r)
+        raise AssertionError("unreachable")
+
+    async def _wait_ready(self) -> None:
+        if self.state in ("failed", "stopped"):
+            raise BackendError(503, f"vLLM is {self.state}; read {self.log_path}")
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout=self.cfg.vllm.startup_timeout_s)
+        except TimeoutError as exc:
+            raise BackendError(503, "vLLM did not come back in time") from exc
+
+    @staticmethod
+    def _check(r: httpx.Response) -> dict[str, Any]:
+        if r.status_code == 200:
+            try:
+                return dict(r.json())
+            except ValueError:  # the adapter routes answer plain text
+                return {"text": r.text}
+        try:
+            detail = r.json().get("error", {}).get("message") or r.text
+        except ValueError:
+            detail = r.text
+        if r.status_code == 404:
+            raise BackendError(503, f"the policy's adapter is not loaded in vLLM: {detail}")
+        if 400 <= r.status_code < 500:
+            raise BackendError(400, f"vLLM rejected the request: {detail}")
+        raise BackendError(502, f"vLLM failed ({r.status_code}): {detail}")
+
+    async def sample(self, req: SamplingRequest, policy: Policy) -> list[Sample]:
+        body = {
+            **req.sampling,
+            "model": policy.model_name,
+            "prompt": req.prompt_token_ids,
+            "n": req.n,
+            "max_tokens": req.max_tokens,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        return parse_completion_choices(await self._post("/v1/completions", body))
+
+    async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
+        return await self._post(path, {**body, "model": policy.model_name})
+
+    async def load_adapter(self, policy: Policy, during_restart: bool = False) -> None:
+        body = {"lora_name": policy.model_name, "lora_path": policy.adapter_path}
+        if during_restart:
+            r = await self._client.post("/v1/load_lora_adapter", json=body)
+            if r.status_code != 200:
+                raise BackendError(502, f"reloading {policy.model_name} after a restart failed: {r.text}")
+            return
+        await self._post("/v1/load_lora_adapter", body)
+
+    async def unload_adapter(self, policy: Policy) -> None:
+        await self._post("/v1/unload_lora_adapter", {"lora_name": policy.model_name})

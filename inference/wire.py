@@ -1,0 +1,152 @@
+"""HTTP bodies of the gateway, shared by the gateway (server) and the trainer (client). Pydantic only.
+
+Two `/generate` dialects arrive from Atropos's clients (see DESIGN.md):
+- vLLM style (`server_type: vllm`): {"prompt": {"prompt_token_ids": [...]}, "logprobs": 0, "n", "max_tokens", ...}
+  answered with {"logprobs": [n x [[{"<id>": lp}] per token]], "finish_reasons": [n x str]}.
+- SGLang style (`server_type: sglang`): {"input_ids": [...], "sampling_params": {...}, "return_logprob": true}
+  answered with {"meta_info": {"output_token_logprobs": [[lp, id, text], ...], "finish_reason": {...}}} (a list
+  of those when n > 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Sampling parameters forwarded to vLLM; anything else is refused with a 400 naming the key.
+FORWARDED_SAMPLING_KEYS = frozenset({
+    "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "ignore_eos", "include_stop_str_in_output", "min_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "logit_bias", "bad_words",
+})
+
+
+class SamplingRequest(BaseModel):
+    """A dialect-free sampling request: what both /generate formats are turned into."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_token_ids: list[int] = Field(min_length=1)
+    n: int = Field(1, ge=1, le=1024)
+    max_tokens: int = Field(16, ge=1)
+    sampling: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("sampling")
+    @classmethod
+    def _known_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(value) - FORWARDED_SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(f"unsupported sampling parameter(s) {unknown}; supported: {sorted(FORWARDED_SAMPLING_KEYS)}")
+        return value
+
+
+class Sample(BaseModel):
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+
+class VLLMPrompt(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt_token_ids: list[int]
+
+
+class VLLMGenerateRequest(BaseModel):
+    """What atroposlib's VLLMServer posts to {root}/generate. Unknown keys are sampling parameters."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: VLLMPrompt
+    n: int = 1
+    max_tokens: int = 16
+    logprobs: int | None = 0
+
+    def to_sampling(self) -> SamplingRequest:
+        extra = dict(self.model_extra or {})
+        extra.pop("model", None)
+        return SamplingRequest(prompt_token_ids=self.prompt.prompt_token_ids, n=self.n, max_tokens=self.max_tokens,
+                               sampling=extra)
+
+
+class SGLangGenerateRequest(BaseModel):
+    """What atroposlib's SGLangServer (and tinker-atropos) post to {root}/generate."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input_ids: list[int]
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    return_logprob: bool = True
+
+    def to_sampling(self) -> SamplingRequest:
+        params = dict(self.sampling_params)
+        n = params.pop("n", 1)
+        max_tokens = params.pop("max_new_tokens", params.pop("max_tokens", 16))
+        params.pop("model", None)
+        return SamplingRequest(prompt_token_ids=self.input_ids, n=n, max_tokens=max_tokens, sampling=params)
+
+
+def vllm_generate_response(samples: list[Sample], version: int) -> dict[str, Any]:
+    return {
+        "logprobs": [[[{str(t): lp}] for t, lp in zip(s.token_ids, s.logprobs)] for s in samples],
+        "finish_reasons": [s.finish_reason for s in samples],
+        "token_ids": [s.token_ids for s in samples],
+        "policy_version": version,
+    }
+
+
+def sglang_generate_response(samples: list[Sample], version: int, prompt_len: int) -> dict[str, Any] | list[Any]:
+    def one(s: Sample) -> dict[str, Any]:
+        finish: dict[str, Any] = {"type": s.finish_reason}
+        if s.finish_reason == "length":
+            finish["length"] = len(s.token_ids)
+        elif s.stop_reason is not None:
+            finish["matched"] = s.stop_reason
+        return {
+            "output_ids": s.token_ids,
+            "meta_info": {
+                "output_token_logprobs": [[lp, t, None] for t, lp in zip(s.token_ids, s.logprobs)],
+                "finish_reason": finish,
+                "prompt_tokens": prompt_len,
+                "completion_tokens": len(s.token_ids),
+                "policy_version": version,
+            },
+        }
+
+    # SGLang answers one object for n == 1 and a list for n > 1; Atropos's client accepts both.
+    return one(samples[0]) if len(samples) == 1 else [one(s) for s in samples]
+
+
+class PublishRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=1, description="policy version; must exceed the current one")
+    adapter_path: str = Field(min_length=1, description="folder with adapter_config.json + adapter_model.safetensors")
+
+
+class PublishResponse(BaseModel):
+    version: int
+    lora_name: str
+    load_s: float
+    unloaded: list[int]
+
+
+class LookupRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sequences: list[list[int]] = Field(description="prompt + completion token ids, as in run-api's `tokens`")
+
+
+class LookupResponse(BaseModel):
+    versions: list[int | None]
+
+
+class PolicyStatus(BaseModel):
+    current_version: int
+    loaded_versions: list[int]
+    in_flight: dict[int, int]
+    healthy: bool
+    state: str
+    restarts: int
+    backend_url: str | None = None

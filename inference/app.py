@@ -50,6 +50,8 @@ class SamplingBackend(Protocol):
 
     @property
     def ready(self) -> bool: ...
+    @property
+    def pid(self) -> int | None: ...
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
     async def sample(self, req: SamplingRequest, policy: Policy) -> list[Sample]: ...
@@ -262,6 +264,7 @@ def create_app(cfg: GatewayConfig, backend: SamplingBackend, registry: PolicyReg
         return PolicyStatus(current_version=registry.current.version,
                             loaded_versions=[p.version for p in registry.loaded()],
                             in_flight=registry.in_flight(), healthy=backend.ready, state=backend.state,
-                            restarts=backend.restarts, backend_url=backend.url)
+                            restarts=backend.restarts, backend_url=backend.url,
+                            backend_pid=backend.pid)
 
     return app

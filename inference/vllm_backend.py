@@ -131,6 +131,10 @@ class VLLMBackend:
     def ready(self) -> bool:
         return self.state == "ready"
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
     # --- process lifecycle ----------------------------------------------------------------------------------
 
     def _spawn(self) -> None:

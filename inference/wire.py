@@ -150,3 +150,4 @@ class PolicyStatus(BaseModel):
     state: str
     restarts: int
     backend_url: str | None = None
+    backend_pid: int | None = None

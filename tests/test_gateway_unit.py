@@ -88,6 +88,7 @@ class ScriptedBackend:
     """Answers from a script; records which model name each request used. `gate` holds samples until set."""
 
     url = "http://scripted"
+    pid = None
 
     def __init__(self) -> None:
         self.state = "ready"

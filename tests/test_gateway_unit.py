@@ -40,7 +40,7 @@ def test_config_rules():
     assert GatewayConfig(host="0.0.0.0", publish_token="s").host == "0.0.0.0"
     cfg = load_config(RunConfig, None, ["model.path=some/model"])
     assert cfg.inference.model == "some/model"
-    with pytest.raises(ConfigError, match="inference.vllm.max_lora_rank"):
+    with pytest.raises(ConfigError, match=r"inference\.vllm\.max_lora_rank"):
         load_config(RunConfig, None, ["inference.vllm.max_lora_rank=7"])
 
 

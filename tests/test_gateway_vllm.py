@@ -228,7 +228,7 @@ def test_request_in_flight_during_publish_completes_on_its_adapter(gateway, adap
 
 
 def test_versions_outside_the_window_are_unloaded_from_vllm(gateway, adapters):
-    url, client, _, _ = gateway
+    _, client, _, _ = gateway
     client.publish(4, adapters[4])
     client.publish(5, adapters[5])
     status = client.status()
@@ -262,7 +262,7 @@ def test_bad_inputs_get_4xx_and_the_gateway_keeps_serving(gateway, adapters):
 
 
 def test_kill_9_of_vllm_recovers_with_the_current_adapter(gateway):
-    url, client, proc, log_dir = gateway
+    url, client, proc, _ = gateway
     seq = [5, 6, 7, 8, 100, 200]
     before, version = echo_logprobs(url, seq)
     status = client.status()
@@ -288,7 +288,7 @@ def test_kill_9_of_vllm_recovers_with_the_current_adapter(gateway):
 
 def test_sigterm_of_gateway_stops_vllm(gateway):
     """Runs last: stop the gateway as launch.sh would and check that no vLLM process of it survives."""
-    url, client, proc, _ = gateway
+    _, client, proc, _ = gateway
     pid = client.status().backend_pid
     assert pid is not None
     proc.terminate()

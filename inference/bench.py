@@ -1,0 +1,181 @@
+"""Gateway benchmark on the tiny model: publish latency versus a vLLM cold restart, and gateway overhead.
+
+    python -m inference.bench [--publishes 20] [--restarts 2] [--rounds 20] [--n 16] [--max-tokens 64]
+
+- publish latency: adapter folder written (trainer's save_for_sampler returns) -> first /generate answered by
+  that version (header X-Policy-Version), p50/p95 over --publishes versions;
+- cold restart: a fresh vLLM process (same command line) from spawn to its first completion under the adapter,
+  which is what a restart-per-update trainer pays each step;
+- overhead: the same /generate load (n, max_tokens, ignore_eos so every request does identical work) sent
+  through the gateway and directly to its vLLM (/v1/completions), interleaved; medians and ratio.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inference.client import GatewayClient, spawn_gateway
+from inference.config import GatewayConfig
+from inference.vllm_backend import build_vllm_command, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[idx]
+
+
+def measure_publishes(url: str, count: int, out_dir: Path) -> list[dict[str, float]]:
+    from trainer.backend import AdamParams
+    from trainer.batch import TrainingExample
+    from trainer.config import RunConfig, load_config
+    from trainer.local_backend import LocalBackend
+    from trainer.losses import LossParams
+
+    cfg = load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml", [f"trainer.output_dir={out_dir}"])
+    backend = LocalBackend(cfg)
+    example = TrainingExample(input_ids=list(range(5, 37)), target_ids=list(range(6, 38)),
+                              loss_mask=[0.0] * 8 + [1.0] * 24, sampler_logprobs=[0.0] * 8 + [-7.6] * 24,
+                              advantages=[0.0] * 8 + [1.0] * 24)
+    client = GatewayClient(url)
+    http = httpx.Client(base_url=url, timeout=120)
+    rows = []
+    for version in range(1, count + 1):
+        backend.forward_backward([example], LossParams("importance_sampling"))
+        backend.optim_step(AdamParams(learning_rate=1e-3))
+        path = backend.save_for_sampler(version)
+        written = time.perf_counter()
+        client.publish(version, path)
+        published = time.perf_counter()
+        r = http.post("/generate", json={"prompt": {"prompt_token_ids": [5, 6, 7]}, "max_tokens": 1})
+        served = time.perf_counter()
+        assert r.headers["x-policy-version"] == str(version), r.headers
+        rows.append({"publish_s": published - written, "first_completion_s": served - published,
+                     "latency_s": served - written})
+    client.close()
+    http.close()
+    return rows
+
+
+def measure_cold_restart(cfg: GatewayConfig, model_path: str, adapter: str, log: Path) -> float:
+    argv, extra_env = build_vllm_command(cfg, model_path, free_port())
+    port = argv[argv.index("--port") + 1]
+    url = f"http://127.0.0.1:{port}"
+    started = time.perf_counter()
+    with log.open("ab") as logf:
+        proc = subprocess.Popen(argv, env={**os.environ, **extra_env}, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vLLM exited; read {log}")
+                try:
+                    if http.post("/v1/completions", json={"model": cfg.served_model_name, "prompt": [5],
+                                                          "max_tokens": 1}).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+            http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapter}).raise_for_status()
+            http.post("/v1/completions", json={"model": "a", "prompt": [5], "max_tokens": 1}).raise_for_status()
+        return time.perf_counter() - started
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=60)
+
+
+async def measure_overhead(url: str, vllm_url: str, model_name: str, rounds: int, n: int,
+                           max_tokens: int) -> dict[str, Any]:
+    prompt = list(range(5, 69))
+    sampling = {"n": n, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
+    gw_body = {"prompt": {"prompt_token_ids": prompt}, "logprobs": 0, **sampling}
+    direct_body = {"model": model_name, "prompt": prompt, "logprobs": 0, "return_tokens_as_token_ids": True,
+                   **sampling}
+    times: dict[str, list[float]] = {"gateway": [], "direct": []}
+    async with httpx.AsyncClient(timeout=300) as http:
+        async def one(kind: str) -> None:
+            t0 = time.perf_counter()
+            if kind == "gateway":
+                r = await http.post(f"{url}/generate", json=gw_body)
+            else:
+                r = await http.post(f"{vllm_url}/v1/completions", json=direct_body)
+            r.raise_for_status()
+            times[kind].append(time.perf_counter() - t0)
+
+        await one("gateway")  # warm-up
+        await one("direct")
+        times = {"gateway": [], "direct": []}
+        for i in range(rounds):
+            order = ("gateway", "direct") if i % 2 == 0 else ("direct", "gateway")
+            for kind in order:
+                await one(kind)
+    gw, direct = statistics.median(times["gateway"]), statistics.median(times["direct"])
+    return {"requests_per_path": rounds, "n": n, "max_tokens": max_tokens,
+            "gateway_median_s": gw, "direct_median_s": direct, "overhead_ratio": gw / direct - 1.0,
+            "gateway_p95_s": percentile(times["gateway"], 0.95), "direct_p95_s": percentile(times["direct"], 0.95)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--publishes", type=int, default=20)
+    p.add_argument("--restarts", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--n", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
+    config = str(ROOT / "configs" / "tiny_cpu.yaml")
+    with spawn_gateway(config, [], work / "logs", timeout_s=600) as (url, _):
+        rows = measure_publishes(url, args.publishes, work / "run")
+        client = GatewayClient(url)
+        status = client.status()
+        client.close()
+        assert status.backend_url is not None
+        overhead = asyncio.run(measure_overhead(url, status.backend_url, f"policy-v{status.current_version}",
+                                                args.rounds, args.n, args.max_tokens))
+        from trainer.config import RunConfig, load_config
+        from trainer.tiny_model import ensure_tiny_model
+
+        gcfg = load_config(RunConfig, config).inference
+        last_adapter = str(work / "run" / "adapters" / f"v{args.publishes:06d}")
+        restarts = [measure_cold_restart(gcfg, str(ensure_tiny_model()), last_adapter, work / "logs" / "cold.log")
+                    for _ in range(args.restarts)]
+    latency = [r["latency_s"] for r in rows]
+    result = {
+        "command": " ".join([Path(sys.executable).name, "-m", "inference.bench", *sys.argv[1:]]),
+        "git_sha": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                  cwd=ROOT).stdout.strip(),
+        "hardware": {"cpu": platform.machine(), "cores": os.cpu_count()},
+        "publish": {
+            "count": len(rows),
+            "latency_p50_s": statistics.median(latency), "latency_p95_s": percentile(latency, 0.95),
+            "publish_call_p50_s": statistics.median(r["publish_s"] for r in rows),
+            "first_completion_p50_s": statistics.median(r["first_completion_s"] for r in rows),
+        },
+        "cold_restart_s": restarts,
+        "cold_restart_median_s": statistics.median(restarts),
+        "restart_over_publish_ratio": statistics.median(restarts) / statistics.median(latency),
+        "overhead": overhead,
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

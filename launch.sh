@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # launch.sh: the one entry point users run.
-#   bash launch.sh --setup                      create/update .venv (first run: ~2 min, ~3 GB on CPU)
-#   bash launch.sh ENV [--backend local|tinker] [--config FILE] [key=value ...] [--dry-run]
-# Today it sets up the environment and resolves/validates the run config; starting run-api, the gateway with
-# vLLM, the environment and the trainer together is the closed-loop milestone and is refused with a clear
-# message until it lands.
+#   bash launch.sh ENV [--backend local|tinker] [--config FILE] [key=value ...] [--dry-run] [--resume RUN_DIR]
+#   bash launch.sh --setup        only create/update .venv (first run: ~2 min, ~3 GB on CPU)
+# Sets up .venv on first use, then hands over to `python -m trainer.launcher`, which starts run-api, the gateway
+# with vLLM, the environment(s) and the trainer, and stops them all when the run ends or fails.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -38,35 +37,8 @@ setup_env() {
   echo "[launch.sh] environment ready" >&2
 }
 
-usage() { sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
-
-[ $# -ge 1 ] || usage
-if [ "$1" = "--setup" ]; then setup_env; exit 0; fi
-case "$1" in -h|--help) usage ;; esac
-
-env_name="$1"; shift
-backend=local config="" dry_run=0 overrides=()
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --backend) backend="${2:?--backend needs local or tinker}"; shift 2 ;;
-    --config) config="${2:?--config needs a file}"; shift 2 ;;
-    --dry-run) dry_run=1; shift ;;
-    -*) echo "launch.sh: unknown option $1" >&2; usage ;;
-    *=*) overrides+=("$1"); shift ;;
-    *) echo "launch.sh: unexpected argument '$1' (overrides are key=value)" >&2; usage ;;
-  esac
-done
-case "$backend" in local|tinker) ;; *) echo "launch.sh: --backend must be local or tinker, got '$backend'" >&2; exit 2 ;; esac
-if [ -z "$config" ]; then
-  config="$ROOT/configs/$env_name.yaml"
-  [ -f "$config" ] || { echo "launch.sh: no configs/$env_name.yaml; pass --config FILE" >&2; exit 2; }
-fi
-
+if [ "${1:-}" = "--setup" ]; then setup_env; exit 0; fi
+case "${1:-}" in ""|-h|--help) sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//' >&2; [ -n "${1:-}" ]; exit $? ;; esac
 setup_env
-export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-0}" TOKENIZERS_PARALLELISM=false
-echo "# resolved config for env=$env_name backend=$backend ($config)"
-"$VENV/bin/python" -m trainer config --config "$config" "${overrides[@]}"
-if [ "$dry_run" = 1 ]; then exit 0; fi
-echo "launch.sh: the config is valid, but the closed loop (run-api + gateway/vLLM + environment + trainer) is" \
-     "not part of this version yet; only --dry-run and --setup work today." >&2
-exit 2
+export TOKENIZERS_PARALLELISM=false WANDB_MODE="${WANDB_MODE:-offline}"
+exec "$VENV/bin/python" -m trainer.launcher "$@"

@@ -37,7 +37,7 @@ class GatewayConfig(BaseModel):
     model: str | None = Field(None, description="base model (hub id, folder, 'tiny'); None = the run's model.path")
     served_model_name: str = Field("policy", description="name of the base model (policy version 0) inside vLLM")
     host: str = Field("127.0.0.1", description="bind address of the gateway")
-    port: int = Field(9000, ge=0, lt=65536, description="gateway port; 0 = pick a free one")
+    port: int = Field(0, ge=0, lt=65536, description="gateway port; 0 = pick a free one")
     publish_token: str | None = Field(None, description="bearer token for /policy/publish; required off loopback")
     max_staleness: int = Field(3, ge=0, description="policy versions behind current that stay loaded")
     ledger_size: int = Field(200_000, ge=1, description="completions remembered for /policy/lookup")

@@ -70,7 +70,7 @@ def build_vllm_command(cfg: GatewayConfig, model_path: str, port: int,
     return argv, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the vLLM child: get SIGTERM if the gateway dies, even by SIGKILL, so vLLM is never orphaned."""
     if sys.platform.startswith("linux"):
         import ctypes
@@ -144,7 +144,7 @@ class VLLMBackend:
             logf.write(f"\n=== starting vLLM: {' '.join(argv)}\n".encode())
             self.proc = subprocess.Popen(argv, env={**os.environ, **extra_env}, stdout=logf,
                                          stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
         log.info("vLLM pid %s on port %s (log %s)", self.proc.pid, self.port, self.log_path)
 
     async def _wait_until_completes(self) -> None:

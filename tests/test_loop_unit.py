@@ -1,0 +1,91 @@
+"""Pure parts of the closed loop: staleness filtering, launcher command lines, environments' reward code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from environments.gsm8k import extract_gold, score_completion
+from environments.toy import compute_target_ids, compute_toy_reward
+from trainer.config import ConfigError, RunConfig, load_config
+from trainer.launcher import build_components, env_command, progress_line
+from trainer.loop import _truncate_metrics, split_by_staleness
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_split_by_staleness():
+    groups = [{"tokens": [[1], [2]]}, {"tokens": [[3], [4]]}, {"tokens": [[5], [6]]}, {"tokens": [[7]]}]
+    versions = [[5, 5], [3, 3], [2, 2], [None]]
+    out = split_by_staleness(groups, versions, current=5, max_staleness=2)
+    assert out.kept == groups[:2]
+    assert out.staleness == [0, 0, 2, 2]
+    assert (out.dropped_stale, out.dropped_unknown) == (2, 1)
+    on_policy = split_by_staleness(groups, versions, current=5, max_staleness=0)
+    assert on_policy.kept == groups[:1] and on_policy.dropped_stale == 4
+
+
+def test_truncate_metrics_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
+    _truncate_metrics(path, 5)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def test_env_command_uses_key_equals_value_and_a_server_list():
+    cfg = load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml",
+                      ["launch.run_api_url=http://127.0.0.1:1", "launch.gateway_url=http://127.0.0.1:2"])
+    argv = env_command(cfg, "/m", worker=0)
+    assert argv[1:4] == ["-m", "environments.toy", "serve"]
+    flags = dict(a[2:].split("=", 1) for a in argv[4:])
+    assert flags["env.total_steps"] == "-1"  # one token: `--flag -1` would be read as a boolean flag
+    assert flags["env.group_size"] == "8" and flags["env.batch_size"] == "64"
+    assert flags["env.max_batches_offpolicy"] == "1"  # max(1, max_staleness=1)
+    assert flags["openai.base_url"] == "http://127.0.0.1:2/v1" and flags["openai.server_type"] == "vllm"
+    assert flags["env.use_wandb"] == "False" and flags["env.wandb_name"] == "toy-0"
+
+
+def test_any_env_file_gets_only_base_flags(tmp_path):
+    env_file = tmp_path / "my_env.py"
+    env_file.write_text("# an Atropos env\n")
+    cfg = load_config(RunConfig, None, [f"rollout.env={env_file}", "launch.run_api_url=http://h:1",
+                                        "launch.gateway_url=http://h:2"])
+    argv = env_command(cfg, "/m", 0)
+    assert argv[1] == str(env_file) and not any("temperature" in a for a in argv)
+    with pytest.raises(ConfigError, match="unknown environment"):
+        env_command(load_config(RunConfig, None, ["rollout.env=nope"]), "/m", 0)
+
+
+def test_components_in_start_order(tmp_path):
+    cfg = load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml", ["rollout.env_workers=2"])
+    names = [c.name for c in build_components(cfg, tmp_path, "/m")]
+    assert names == ["run-api", "gateway", "env-0", "env-1", "trainer"]
+
+
+def test_progress_line_handles_steps_without_update():
+    row = {"step": 3, "policy_version": 2, "reward/mean": 0.5, "loss": None, "time/step_s": 1.0,
+           "time/wait_for_batch_s": 0.5, "time/train_s": 0.0, "time/publish_s": 0.0,
+           "policy/staleness_mean": 1.0, "policy/staleness_max": 1.0, "rollouts/dropped_stale": 0.0}
+    line = progress_line(row, 10)
+    assert "step    3/10" in line and "loss -" in line and "v2" in line
+
+
+def test_toy_reward():
+    targets = frozenset({10, 11})
+    assert compute_toy_reward([10, 11, 5, 10], targets, {2}, 4) == 0.75
+    assert compute_toy_reward([10, 2, 11, 11], targets, {2}, 4) == 0.25  # nothing counts after EOS
+    assert compute_toy_reward([2], targets, {2}, 4) == 0.0
+    ids = compute_target_ids(100, {0, 1, 2}, 0.1, seed=3)
+    assert len(ids) == 10 and not ids & {0, 1, 2} and ids == compute_target_ids(100, {0, 1, 2}, 0.1, seed=3)
+
+
+def test_gsm8k_grading():
+    assert extract_gold("Natalia sold 48 clips... #### 1,072") == "1072"
+    with pytest.raises(ValueError):
+        extract_gold("no marker")
+    assert score_completion("so she sold \\boxed{1072} clips", "1072") == 1.0
+    assert score_completion("The answer is 1072.", "1072") == 1.0
+    assert score_completion("The answer is 1071.", "1072") == 0.0
+    assert score_completion("\\boxed{", "1072") == 0.0

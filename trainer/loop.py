@@ -1,0 +1,239 @@
+"""The trainer process's loop: register with Atropos's run-api, pull batches, drop rollouts older than the
+staleness window (their version read from the gateway's ledger), train one optimizer step per batch, publish the
+new adapter to the gateway, write one metrics.jsonl row per step, checkpoint every N steps.
+
+Every batch run-api hands out is one step (run-api and the environments count steps that way); a step whose
+rollouts are all stale, malformed or zero-variance makes no update and publishes no new version, so the policy
+version can lag the step count. Pure helpers (staleness filter) are separate; the loop itself does the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inference.client import GatewayClient
+from trainer.batch import IntakeOptions, convert_batch, parse_batch_response
+from trainer.config import RunConfig
+from trainer.local_backend import LocalBackend
+from trainer.schedule import build_adam_params
+
+log = logging.getLogger("trainer.loop")
+LATEST = "latest"  # file in checkpoints/ naming the newest complete checkpoint
+
+
+@dataclass
+class StalenessSplit:
+    kept: list[Any]
+    staleness: list[int]  # per kept group
+    dropped_stale: int  # sequences
+    dropped_unknown: int  # sequences whose version the gateway does not know
+
+
+def split_by_staleness(groups: list[Any], versions: list[list[int | None]], current: int,
+                       max_staleness: int) -> StalenessSplit:
+    """Keep groups whose every sequence was sampled within `max_staleness` versions of `current`."""
+    out = StalenessSplit([], [], 0, 0)
+    for group, group_versions in zip(groups, versions):
+        n = len(group_versions)
+        if any(v is None for v in group_versions):
+            out.dropped_unknown += n
+            continue
+        known = [v for v in group_versions if v is not None]
+        lag = current - min(known)
+        if lag > max_staleness:
+            out.dropped_stale += n
+            continue
+        out.kept.append(group)
+        out.staleness.extend(current - v for v in known)
+    return out
+
+
+class RunApi:
+    def __init__(self, url: str, timeout_s: float = 30.0):
+        self._http = httpx.Client(base_url=url, timeout=timeout_s)
+
+    def register(self, cfg: RunConfig, starting_step: int) -> None:
+        body = {"wandb_group": Path(cfg.trainer.output_dir).name, "wandb_project": cfg.launch.wandb_project,
+                "batch_size": cfg.rollout.batch_size, "max_token_len": cfg.rollout.max_token_length,
+                "checkpoint_dir": str(Path(cfg.trainer.output_dir) / "checkpoints"), "save_checkpoint_interval":
+                cfg.trainer.checkpoint_every, "starting_step": starting_step, "num_steps": cfg.rollout.num_steps}
+        self._http.post("/register", json=body).raise_for_status()
+
+    def fetch_batch(self) -> list[Any] | None:
+        r = self._http.get("/batch")
+        r.raise_for_status()
+        return parse_batch_response(r.json())
+
+
+class MetricsWriter:
+    def __init__(self, path: Path, use_wandb: bool, cfg: RunConfig):
+        self.path = path
+        self._wandb = None
+        if use_wandb:
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.launch.wandb_project, name=path.parent.name,
+                                     config=cfg.model_dump(mode="json"), resume="allow")
+
+    def write(self, row: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(row, step=row["step"])
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # batches consumed
+    version: int = 0  # latest published policy version (= optimizer updates made)
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[Path, LoopState] | None:
+    pointer = run_dir / "checkpoints" / LATEST
+    if not pointer.exists():
+        return None
+    ckpt = run_dir / "checkpoints" / pointer.read_text().strip()
+    state = json.loads((ckpt.parent / f"{ckpt.name}.loop.json").read_text())
+    return ckpt, LoopState(step=int(state["step"]), version=int(state["version"]))
+
+
+def save_checkpoint(backend: LocalBackend, run_dir: Path, state: LoopState) -> None:
+    name = f"step-{state.step:06d}"
+    backend.save_state(name)
+    ckpts = run_dir / "checkpoints"
+    for path, text in ((ckpts / f"{name}.loop.json", json.dumps({"step": state.step, "version": state.version})),
+                       (ckpts / LATEST, name)):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)  # `latest` moves only once the checkpoint and its loop state are complete
+
+
+def wait_for_batch(api: RunApi, poll_s: float) -> list[Any]:
+    while True:
+        batch = api.fetch_batch()
+        if batch is not None:
+            return batch
+        time.sleep(poll_s)
+
+
+def sampled_tokens(groups: list[Any]) -> int:
+    return sum(sum(1 for m in row if m != -100) for g in groups for row in g.get("masks", []))
+
+
+def run(cfg: RunConfig) -> None:
+    run_dir = Path(cfg.trainer.output_dir)
+    if cfg.launch.run_api_url is None or cfg.launch.gateway_url is None:
+        raise ValueError("launch.run_api_url and launch.gateway_url must be set (launch.sh sets them)")
+    backend = LocalBackend(cfg)
+    gateway = GatewayClient(cfg.launch.gateway_url, cfg.inference.publish_token)
+    api = RunApi(cfg.launch.run_api_url)
+    state = _resume(backend, gateway, run_dir)
+    api.register(cfg, state.step)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", cfg.launch.wandb, cfg)
+    intake = IntakeOptions(vocab_size=backend.vocab_size, max_seq_len=cfg.trainer.max_seq_len,
+                           normalize_std=cfg.normalize_std(), std_eps=cfg.advantage.std_eps,
+                           require_sampler_logprobs=cfg.loss.name != "cross_entropy")
+    started = time.monotonic()
+    while state.step < cfg.rollout.num_steps:
+        row = _one_step(cfg, backend, gateway, api, intake, state)
+        row["wall_s"] = time.monotonic() - started
+        metrics.write(row)
+        if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
+            save_checkpoint(backend, run_dir, state)
+    gateway.close()
+
+
+def _resume(backend: LocalBackend, gateway: GatewayClient, run_dir: Path) -> LoopState:
+    """Load the newest checkpoint (if any) and make its adapter the gateway's current policy."""
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        return LoopState()
+    ckpt, state = found
+    backend.load_state(str(ckpt))
+    _truncate_metrics(run_dir / "metrics.jsonl", state.step)
+    if state.version > 0:
+        adapter = run_dir / "adapters" / f"v{state.version:06d}"
+        path = str(adapter) if adapter.exists() else backend.save_for_sampler(state.version)
+        gateway.publish(state.version, path)
+    log.info("resumed from %s at step %d (policy version %d)", ckpt, state.step, state.version)
+    return state
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop rows of steps after the checkpoint: the resumed run does them again."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(row + "\n" for row in rows))
+    tmp.replace(path)
+
+
+def _one_step(cfg: RunConfig, backend: LocalBackend, gateway: GatewayClient, api: RunApi,
+              intake: IntakeOptions, state: LoopState) -> dict[str, Any]:
+    """Consume one batch; train and publish if anything in it is trainable. Advances `state`."""
+    t0 = time.monotonic()
+    groups = wait_for_batch(api, cfg.trainer.batch_poll_s)
+    t_batch = time.monotonic()
+    versions_flat = gateway.lookup([list(seq) for g in groups for seq in g.get("tokens", [])])
+    versions, i = [], 0
+    for g in groups:
+        n = len(g.get("tokens", []))
+        versions.append(versions_flat[i:i + n])
+        i += n
+    split = split_by_staleness(groups, versions, current=state.version, max_staleness=cfg.rollout.max_staleness)
+    converted = convert_batch(split.kept, intake)
+    for drop in converted.drops:
+        log.warning("dropped rollout: %s", drop)
+    state.step += 1
+    if split.dropped_stale or split.dropped_unknown:
+        log.info("step %d: dropped %d stale and %d unknown-version sequences", state.step, split.dropped_stale,
+                 split.dropped_unknown)
+    train: dict[str, Any] = {key: None for key in NO_UPDATE_KEYS}  # stay null when nothing is trainable
+    train["tokens/trained"] = 0.0
+    if converted.examples:
+        fb = backend.forward_backward(converted.examples, cfg.loss.params(), cfg.loss.reduction)
+        optim = backend.optim_step(build_adam_params(backend.step, cfg.optim))
+        train.update({"loss": fb.loss, **optim, **{k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS}})
+        t_train = time.monotonic()
+        gateway.publish(state.version + 1, backend.save_for_sampler(state.version + 1))
+        state.version += 1
+    else:
+        log.info("step %d: nothing trainable in %d groups (stale, malformed or zero-variance); no update",
+                 state.step, len(groups))
+        t_train = time.monotonic()
+    t_publish = time.monotonic()
+    scores = converted.scores
+    return {
+        "step": state.step,
+        "policy_version": state.version,
+        "reward/mean": statistics.fmean(scores) if scores else None,
+        "reward/std": statistics.pstdev(scores) if len(scores) > 1 else 0.0,
+        **train,
+        "tokens/sampled": float(sampled_tokens(groups)),
+        "policy/staleness_mean": statistics.fmean(split.staleness) if split.staleness else 0.0,
+        "policy/staleness_max": float(max(split.staleness, default=0)),
+        "rollouts/dropped_stale": float(split.dropped_stale),
+        "rollouts/dropped_unknown_version": float(split.dropped_unknown),
+        **converted.metrics(),
+        "time/step_s": t_publish - t0,
+        "time/wait_for_batch_s": t_batch - t0,
+        "time/train_s": t_train - t_batch,
+        "time/publish_s": t_publish - t_train,
+        "perf/tokens_per_s": train["tokens/trained"] / max(t_train - t_batch, 1e-9),
+    }
+
+
+NO_UPDATE_KEYS = (
+    "loss", "optim/grad_norm", "optim/lr", "optim/skipped_nonfinite", "time/optim_s", "tokens/trained",
+    "importance/ratio_mean", "importance/ratio_min", "importance/ratio_max", "importance/clip_fraction",
+    "importance/mismatch_kl", "importance/logprob_diff_mean",
+)

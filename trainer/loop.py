@@ -159,6 +159,7 @@ def _resume(backend: LocalBackend, gateway: GatewayClient, run_dir: Path) -> Loo
     ckpt, state = found
     backend.load_state(str(ckpt))
     _truncate_metrics(run_dir / "metrics.jsonl", state.step)
+    _set_aside_newer_adapters(run_dir / "adapters", state.version)
     if state.version > 0:
         adapter = run_dir / "adapters" / f"v{state.version:06d}"
         path = str(adapter) if adapter.exists() else backend.save_for_sampler(state.version)
@@ -175,6 +176,19 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(row + "\n" for row in rows))
     tmp.replace(path)
+
+
+def _set_aside_newer_adapters(adapters: Path, version: int) -> None:
+    """Adapters published after the checkpoint belong to the interrupted timeline: move them out of the way (kept
+    for inspection) so the resumed run writes those versions afresh."""
+    newer = [p for p in adapters.glob("v*") if p.is_dir() and int(p.name[1:]) > version]
+    if not newer:
+        return
+    aside = adapters / f"discarded-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in newer:
+        path.rename(aside / path.name)
+    log.info("moved %d adapters newer than version %d to %s", len(newer), version, aside)
 
 
 def _one_step(cfg: RunConfig, backend: LocalBackend, gateway: GatewayClient, api: RunApi,

@@ -16,6 +16,8 @@ from typing import Any
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
 
+from environments.common import completion_ids, gateway_servers, group_from_nodes, run_cli
+
 SYSTEM_PROMPT = ("Solve the math problem step by step. End with the final answer as a number in \\boxed{}, "
                  "for example \\boxed{42}.")
 HOW_TO_SUPPLY = ("download it where there is network (e.g. `python -c \"import datasets; "
@@ -101,14 +103,11 @@ class GSM8KEnv(BaseEnv):
 
     @classmethod
     def config_init(cls) -> tuple[GSM8KConfig, list[APIServerConfig]]:
-        # A one-element list: a bare APIServerConfig is silently rewritten to localhost:9004-9007.
         # ensure_scores_are_not_same off: all-equal groups reach the trainer, which counts and skips them, so
         # reward/mean is the reward of every rollout, not of the mixed groups only.
         env = GSM8KConfig(wandb_name="gsm8k", group_size=16, use_wandb=False, steps_per_eval=0,
                           max_token_length=2048, ensure_scores_are_not_same=False)
-        server = APIServerConfig(model_name="policy", base_url="http://127.0.0.1:9000/v1", api_key="local",
-                                 server_type="vllm")
-        return env, [server]
+        return env, gateway_servers()
 
     async def setup(self) -> None:
         cfg: Any = self.config
@@ -133,21 +132,12 @@ class GSM8KEnv(BaseEnv):
             await managed.chat_completion(messages=messages, n=cfg.group_size, max_tokens=cfg.max_new_tokens,
                                           temperature=cfg.temperature)
             nodes = managed.get_state()["nodes"]
-        group = ScoredDataGroup(tokens=[], masks=[], scores=[], inference_logprobs=[])
-        for node in nodes:
-            completion_ids = [t for t in node.masked_tokens if t != -100]
-            text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
-            group["tokens"].append(node.tokens)
-            group["masks"].append(node.masked_tokens)
-            group["inference_logprobs"].append(node.logprobs)
-            group["scores"].append(score_completion(text, gold))
-        return group, []
+        texts = [self.tokenizer.decode(completion_ids(n), skip_special_tokens=True) for n in nodes]
+        return group_from_nodes(nodes, [score_completion(t, gold) for t in texts]), []
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:
         return None
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    GSM8KEnv.cli()
+    run_cli(GSM8KEnv)

@@ -7,12 +7,13 @@ Special tokens are never in the subset, so an EOS-only completion scores 0.
 
 from __future__ import annotations
 
-import logging
 import random
 from typing import Any
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
+
+from environments.common import completion_ids, gateway_servers, group_from_nodes, run_cli
 
 PROMPTS = [
     "Say something.", "Tell me a story.", "Write a line.", "Count to three.",
@@ -50,12 +51,9 @@ class ToyEnv(BaseEnv):
 
     @classmethod
     def config_init(cls) -> tuple[ToyEnvConfig, list[APIServerConfig]]:
-        # A one-element list: a bare APIServerConfig is silently rewritten to localhost:9004-9007.
         env = ToyEnvConfig(wandb_name="toy", group_size=8, use_wandb=False, steps_per_eval=0,
                            max_token_length=256, ensure_scores_are_not_same=False)
-        server = APIServerConfig(model_name="policy", base_url="http://127.0.0.1:9000/v1", api_key="local",
-                                 server_type="vllm")
-        return env, [server]
+        return env, gateway_servers()
 
     async def setup(self) -> None:
         cfg: Any = self.config
@@ -79,21 +77,13 @@ class ToyEnv(BaseEnv):
             await managed.completion(prompt=item, n=cfg.group_size, max_tokens=cfg.max_new_tokens,
                                      temperature=cfg.temperature)
             nodes = managed.get_state()["nodes"]
-        group = ScoredDataGroup(tokens=[], masks=[], scores=[], inference_logprobs=[])
-        for node in nodes:
-            n_prompt = sum(1 for m in node.masked_tokens if m == -100)
-            group["tokens"].append(node.tokens)
-            group["masks"].append(node.masked_tokens)
-            group["inference_logprobs"].append(node.logprobs)
-            group["scores"].append(compute_toy_reward(node.tokens[n_prompt:], self.targets, self.eos_ids,
-                                                      cfg.max_new_tokens))
-        return group, []
+        scores = [compute_toy_reward(completion_ids(n), self.targets, self.eos_ids, cfg.max_new_tokens)
+                  for n in nodes]
+        return group_from_nodes(nodes, scores), []
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:
         return None
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    ToyEnv.cli()
+    run_cli(ToyEnv)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from inference.client import GatewayClient, spawn_gateway
-from tests.helpers import FIXTURE
+from tests.helpers import FIXTURE, group_alive
 from trainer.batch import IntakeOptions, convert_batch
 from trainer.losses import LossParams
 
@@ -54,14 +54,6 @@ def gateway(tmp_path_factory):
         client = GatewayClient(url)
         yield url, client, proc, log_dir
         client.close()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +275,7 @@ def test_kill_9_of_vllm_recovers_with_the_current_adapter(gateway):
     assert max(abs(a - b) for a, b in zip(before, after)) < 1e-5, "recovered vLLM serves a different policy"
     status = client.status()
     assert status.restarts == 1 and status.backend_pid != old_pid and status.loaded_versions == [0, 3, 4, 5]
-    assert not _group_alive(old_pid), "the killed vLLM's engine processes were left behind"
+    assert not group_alive(old_pid), "the killed vLLM's engine processes were left behind"
 
 
 def test_sigterm_of_gateway_stops_vllm(gateway):
@@ -294,6 +286,6 @@ def test_sigterm_of_gateway_stops_vllm(gateway):
     proc.terminate()
     proc.wait(timeout=60)
     deadline = time.monotonic() + 30
-    while _group_alive(pid) and time.monotonic() < deadline:
+    while group_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _group_alive(pid)
+    assert not group_alive(pid)

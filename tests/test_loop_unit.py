@@ -89,3 +89,26 @@ def test_gsm8k_grading():
     assert score_completion("The answer is 1072.", "1072") == 1.0
     assert score_completion("The answer is 1071.", "1072") == 0.0
     assert score_completion("\\boxed{", "1072") == 0.0
+
+
+def test_summary_idle_share_and_rewards():
+    from trainer.summary import summarize
+
+    rows = [{"step": i, "policy_version": i, "reward/mean": r, "loss": 0.1, "time/step_s": 2.0,
+             "time/wait_for_batch_s": 0.5, "time/train_s": 1.4, "time/publish_s": 0.1, "policy/staleness_mean": 1.0,
+             "rollouts/dropped_stale": 0.0, "importance/logprob_diff_mean": 1e-5, "wall_s": 2.0 * i}
+            for i, r in enumerate([0.1, 0.2, 0.3, 0.9, 1.0, 1.0], start=1)]
+    s = summarize(rows)
+    assert s["idle_share"] == 0.25 and s["reward_first3"] == pytest.approx(0.2)
+    assert s["reward_last3"] == pytest.approx(2.9 / 3) and s["publish_s_median"] == 0.1
+
+
+def test_resume_sets_newer_adapters_aside(tmp_path):
+    from trainer.loop import _set_aside_newer_adapters
+
+    for v in (1, 2, 3, 4):
+        (tmp_path / f"v{v:06d}").mkdir()
+    _set_aside_newer_adapters(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v000001", "v000002"]
+    (aside,) = tmp_path.glob("discarded-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["v000003", "v000004"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import FIXTURE, free_port
+from tests.helpers import FIXTURE, free_port, stop_process
 from trainer.backend import AdamParams
 from trainer.batch import IntakeOptions, convert_batch
 from trainer.losses import LossParams
@@ -89,9 +89,4 @@ def test_trained_adapter_hot_loads_and_matches_trainer_logprobs(tmp_path, tiny_m
         assert mean_diff <= 1e-4, f"mean |vLLM - trainer| = {mean_diff}, max {max(diffs)}"
         assert sum(base_diffs) / len(base_diffs) > 0.1, "adapter had no effect: is the LoRA really served?"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)

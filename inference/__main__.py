@@ -16,7 +16,7 @@ from pathlib import Path
 
 import uvicorn
 
-from inference.app import create_app
+from inference.app import SamplingBackend, create_app
 from inference.policy import PolicyRegistry
 from inference.vllm_backend import VLLMBackend, free_port
 from trainer.config import ConfigError, RunConfig, load_config
@@ -38,11 +38,23 @@ async def serve(args: argparse.Namespace) -> int:
     run_cfg = load_config(RunConfig, args.config, args.overrides)
     cfg = run_cfg.inference
     assert cfg.model is not None  # RunConfig fills it from model.path
-    model_path, vocab_size = resolve_model(cfg.model)
+    model_path, vocab_size = (cfg.model, 0) if run_cfg.launch.backend == "tinker" else resolve_model(cfg.model)
     registry = PolicyRegistry(cfg.served_model_name, cfg.max_staleness)
     log_dir = Path(args.log_dir)
-    backend = VLLMBackend(cfg, model_path, log_dir / "vllm.log",
-                          restore=lambda: [p for p in registry.loaded() if p.adapter_path])
+    backend: SamplingBackend
+    if run_cfg.launch.backend == "tinker":
+        from transformers import AutoTokenizer
+
+        from inference.tinker_backend import TinkerSamplingBackend
+        from trainer.tinker_backend import build_service_client
+
+        tokenizer = AutoTokenizer.from_pretrained(run_cfg.tinker.tokenizer or model_path)
+        vocab_size = len(tokenizer)
+        backend = TinkerSamplingBackend(cfg, run_cfg.model.path, tokenizer, lambda: build_service_client(run_cfg),
+                                        run_cfg.tinker.timeout_s)
+    else:
+        backend = VLLMBackend(cfg, model_path, log_dir / "vllm.log",
+                              restore=lambda: [p for p in registry.loaded() if p.adapter_path])
     app = create_app(cfg, backend, registry, vocab_size)
     port = cfg.port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=port, log_level="warning"))
@@ -50,14 +62,14 @@ async def serve(args: argparse.Namespace) -> int:
     async def watch() -> None:
         while not server.should_exit:
             if backend.state == "failed":
-                logging.error("vLLM failed; stopping the gateway (read %s)", backend.log_path)
+                logging.error("the sampling backend failed; stopping the gateway (read the logs in %s)", log_dir)
                 server.should_exit = True
             await asyncio.sleep(0.5)
 
     watcher = asyncio.create_task(watch())
     if args.port_file:
         Path(args.port_file).write_text(str(port))
-    logging.info("gateway on http://%s:%d, vLLM on %s (log %s)", cfg.host, port, backend.url, backend.log_path)
+    logging.info("gateway on http://%s:%d, sampler %s (logs in %s)", cfg.host, port, backend.url, log_dir)
     await server.serve()
     watcher.cancel()
     return 1 if backend.state == "failed" else 0

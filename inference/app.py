@@ -56,6 +56,7 @@ class SamplingBackend(Protocol):
     async def stop(self) -> None: ...
     async def sample(self, req: SamplingRequest, policy: Policy) -> list[Sample]: ...
     async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]: ...
+    def validate_adapter(self, path: str) -> None: ...
     async def load_adapter(self, policy: Policy) -> None: ...
     async def unload_adapter(self, policy: Policy) -> None: ...
 
@@ -70,25 +71,6 @@ def _validation_message(exc: ValidationError | RequestValidationError) -> str:
         loc = ".".join(str(p) for p in err["loc"] if p != "body")
         parts.append(f"{loc or 'body'}: {err['msg']} (got {str(err.get('input'))[:80]})")
     return "; ".join(parts)
-
-
-def check_adapter_folder(path: str, max_rank: int) -> None:
-    """Refuse an adapter vLLM would refuse (or crash on) before asking vLLM."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise BackendError(400, f"adapter_path {path!r} is not a folder on the gateway's machine")
-    cfg_file = folder / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise BackendError(400, f"{path!r} has no adapter_config.json: is it a PEFT adapter folder?")
-    if not any((folder / n).is_file() for n in ("adapter_model.safetensors", "adapter_model.bin")):
-        raise BackendError(400, f"{path!r} has no adapter_model.safetensors")
-    try:
-        rank = int(json.loads(cfg_file.read_text()).get("r", 0))
-    except (ValueError, TypeError) as exc:
-        raise BackendError(400, f"{cfg_file} is not valid JSON with an integer 'r': {exc}") from exc
-    if rank > max_rank:
-        raise BackendError(400, f"adapter rank {rank} exceeds the gateway's vllm.max_lora_rank {max_rank}; "
-                                "restart the gateway with a larger ceiling or train a smaller rank")
 
 
 class Gateway:
@@ -137,12 +119,13 @@ class Gateway:
         return removed
 
     async def publish(self, req: PublishRequest) -> PublishResponse:
-        check_adapter_folder(req.adapter_path, self.cfg.vllm.max_lora_rank)
+        self.backend.validate_adapter(req.adapter_path)
         async with self.publish_lock:
             current = self.registry.current.version
             if req.version <= current:
                 raise BackendError(409, f"version {req.version} is not newer than the current version {current}")
-            policy = Policy(req.version, lora_name(req.version), str(Path(req.adapter_path).resolve()))
+            path = req.adapter_path if "://" in req.adapter_path else str(Path(req.adapter_path).resolve())
+            policy = Policy(req.version, lora_name(req.version), path)
             started = time.perf_counter()
             await self.backend.load_adapter(policy)
             self.registry.publish(policy)

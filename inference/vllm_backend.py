@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -105,6 +106,25 @@ def parse_completion_choices(body: dict[str, Any]) -> list[Sample]:
                               finish_reason=choice.get("finish_reason") or "stop",
                               stop_reason=choice.get("stop_reason")))
     return samples
+
+
+def check_adapter_folder(path: str, max_rank: int) -> None:
+    """Refuse an adapter vLLM would refuse (or crash on) before asking vLLM."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise BackendError(400, f"adapter_path {path!r} is not a folder on the gateway's machine")
+    cfg_file = folder / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise BackendError(400, f"{path!r} has no adapter_config.json: is it a PEFT adapter folder?")
+    if not any((folder / n).is_file() for n in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise BackendError(400, f"{path!r} has no adapter_model.safetensors")
+    try:
+        rank = int(json.loads(cfg_file.read_text()).get("r", 0))
+    except (ValueError, TypeError) as exc:
+        raise BackendError(400, f"{cfg_file} is not valid JSON with an integer 'r': {exc}") from exc
+    if rank > max_rank:
+        raise BackendError(400, f"adapter rank {rank} exceeds the gateway's vllm.max_lora_rank {max_rank}; "
+                                "restart the gateway with a larger ceiling or train a smaller rank")
 
 
 class VLLMBackend:
@@ -291,6 +311,9 @@ class VLLMBackend:
 
     async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
         return await self._post(path, {**body, "model": policy.model_name})
+
+    def validate_adapter(self, path: str) -> None:
+        check_adapter_folder(path, self.cfg.vllm.max_lora_rank)
 
     async def load_adapter(self, policy: Policy, during_restart: bool = False) -> None:
         body = {"lora_name": policy.model_name, "lora_path": policy.adapter_path}

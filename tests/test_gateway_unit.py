@@ -14,7 +14,12 @@ import pytest
 from inference.app import create_app
 from inference.config import GatewayConfig
 from inference.policy import Policy, PolicyRegistry, VersionLedger
-from inference.vllm_backend import BackendError, build_vllm_command, parse_completion_choices
+from inference.vllm_backend import (
+    BackendError,
+    build_vllm_command,
+    check_adapter_folder,
+    parse_completion_choices,
+)
 from inference.wire import Sample, SamplingRequest
 from trainer.config import ConfigError, RunConfig, load_config
 
@@ -114,6 +119,9 @@ class ScriptedBackend:
     async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
         return {"choices": [{"index": 0, "text": "x", "token_ids": [9], "prompt_token_ids": [1, 2]}],
                 "model": policy.model_name}
+
+    def validate_adapter(self, path: str) -> None:
+        check_adapter_folder(path, 8)
 
     async def load_adapter(self, policy: Policy) -> None:
         if "bad" in str(policy.adapter_path):

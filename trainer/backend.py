@@ -44,6 +44,16 @@ class TrainingBackend(Protocol):
         """Apply accumulated gradients with AdamW; returns `optim/*` metrics."""
         ...
 
+    def train_step(self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction,
+                   adam: AdamParams) -> tuple[ForwardBackwardResult, dict[str, float]]:
+        """forward_backward then optim_step; a remote backend submits both before waiting for either."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding: token ids at or above it are refused at intake."""
+        ...
+
     def save_for_sampler(self, version: int) -> str:
         """Write the current adapter as policy `version`; returns a path/URI the sampler can load."""
         ...

@@ -109,7 +109,23 @@ class RolloutConfig(_Section):
         return self.group_size * self.groups_per_step
 
 
+class TinkerConfig(_Section):
+    timeout_s: float = Field(60.0, gt=0, description="deadline for any single Tinker call, seconds")
+    tokenizer: str | None = Field(None, description="tokenizer (hub id or folder); None = model.path")
+    client_factory: str | None = Field(
+        None, description="'module:function' returning a ServiceClient-like object (proxies, tests); None = tinker's")
+
+
+class PricingConfig(_Section):
+    """Prices the comparison report uses to estimate cost; edit them to your contract."""
+
+    tinker_sample_usd_per_mtok: float = Field(0.0, ge=0, description="Tinker sampling price, USD per 1M tokens")
+    tinker_train_usd_per_mtok: float = Field(0.0, ge=0, description="Tinker training price, USD per 1M tokens")
+    local_gpu_usd_per_hour: float = Field(0.0, ge=0, description="what the local GPU box costs per hour, USD")
+
+
 class LaunchConfig(_Section):
+    backend: Literal["local", "tinker"] = Field("local", description="who trains and samples: this box or Tinker")
     run_api_port: int = Field(0, ge=0, lt=65536, description="Atropos run-api port; 0 = a free one")
     run_api_url: str | None = Field(None, description="set by the launcher once run-api is up")
     gateway_url: str | None = Field(None, description="set by the launcher once the gateway is healthy")
@@ -128,6 +144,8 @@ class RunConfig(_Section):
     inference: GatewayConfig = Field(default_factory=GatewayConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    tinker: TinkerConfig = Field(default_factory=TinkerConfig)
+    pricing: PricingConfig = Field(default_factory=PricingConfig)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

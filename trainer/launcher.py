@@ -192,7 +192,8 @@ def supervise(components: list[Component], cfg: RunConfig, metrics: Path) -> int
         code = trainer.exited()
         if code is not None:
             if code == 0:
-                print(f"run finished: {metrics}", flush=True)
+                print(f"run finished: {metrics}\ncompare runs: {Path(PY).parent}/python -m trainer.report "
+                      f"{metrics.parent} OTHER_RUN_DIR ... --out REPORT_DIR", flush=True)
                 return 0
             raise LaunchError(f"trainer exited with code {code}; read {trainer.log}:\n{trainer.tail()}")
         for comp in components[:-1]:
@@ -242,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give an environment (e.g. toy) or --resume RUN_DIR")
     try:
         cfg, run_dir = resolve_run(args)
-        if args.backend == "tinker":
-            raise ConfigError("--backend tinker is not available in this version; use --backend local")
+        cfg.launch.backend = args.backend if not args.resume else cfg.launch.backend
         return launch(cfg, run_dir, args.dry_run, resumed=bool(args.resume))
     except ConfigError as exc:
         print(f"launch.sh: {exc}", file=sys.stderr)
@@ -264,7 +264,17 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool) -> int:
         return 0
     problems, model_path = [], cfg.model.path
     try:
-        model_path = check_model(cfg.model.path)
+        if cfg.launch.backend == "tinker":
+            # Tinker holds the weights; this box needs only the tokenizer (envs, gateway) and a valid key.
+            model_path = check_model(cfg.tinker.tokenizer or cfg.model.path)
+            cfg.tinker.tokenizer = model_path
+            if not cfg.tinker.client_factory:
+                from trainer.tinker_backend import check_api_key, import_tinker
+
+                import_tinker()
+                check_api_key()
+        else:
+            model_path = check_model(cfg.model.path)
     except ConfigError as exc:
         problems.append(str(exc))
     try:

@@ -168,6 +168,10 @@ class LocalBackend:
             self.cfg.trainer.logprob_chunk_tokens,
         )
 
+    def train_step(self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction,
+                   adam: AdamParams) -> tuple[ForwardBackwardResult, dict[str, float]]:
+        return self.forward_backward(examples, loss, reduction), self.optim_step(adam)
+
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         started = time.perf_counter()
         for group in self.optimizer.param_groups:

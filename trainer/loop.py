@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 
 from inference.client import GatewayClient
+from trainer.backend import TrainingBackend
 from trainer.batch import IntakeOptions, convert_batch, parse_batch_response
 from trainer.config import RunConfig
-from trainer.local_backend import LocalBackend
 from trainer.schedule import build_adam_params
 
 log = logging.getLogger("trainer.loop")
@@ -105,7 +105,7 @@ def latest_checkpoint(run_dir: Path) -> tuple[Path, LoopState] | None:
     return ckpt, LoopState(step=int(state["step"]), version=int(state["version"]))
 
 
-def save_checkpoint(backend: LocalBackend, run_dir: Path, state: LoopState) -> None:
+def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -> None:
     name = f"step-{state.step:06d}"
     backend.save_state(name)
     ckpts = run_dir / "checkpoints"
@@ -128,11 +128,21 @@ def sampled_tokens(groups: list[Any]) -> int:
     return sum(sum(1 for m in row if m != -100) for g in groups for row in g.get("masks", []))
 
 
+def build_training_backend(cfg: RunConfig) -> TrainingBackend:
+    if cfg.launch.backend == "tinker":
+        from trainer.tinker_backend import TinkerBackend  # the local path never imports tinker
+
+        return TinkerBackend(cfg)
+    from trainer.local_backend import LocalBackend
+
+    return LocalBackend(cfg)
+
+
 def run(cfg: RunConfig) -> None:
     run_dir = Path(cfg.trainer.output_dir)
     if cfg.launch.run_api_url is None or cfg.launch.gateway_url is None:
         raise ValueError("launch.run_api_url and launch.gateway_url must be set (launch.sh sets them)")
-    backend = LocalBackend(cfg)
+    backend = build_training_backend(cfg)
     gateway = GatewayClient(cfg.launch.gateway_url, cfg.inference.publish_token)
     api = RunApi(cfg.launch.run_api_url)
     state = _resume(backend, gateway, run_dir)
@@ -151,7 +161,7 @@ def run(cfg: RunConfig) -> None:
     gateway.close()
 
 
-def _resume(backend: LocalBackend, gateway: GatewayClient, run_dir: Path) -> LoopState:
+def _resume(backend: TrainingBackend, gateway: GatewayClient, run_dir: Path) -> LoopState:
     """Load the newest checkpoint (if any) and make its adapter the gateway's current policy."""
     found = latest_checkpoint(run_dir)
     if found is None:
@@ -191,7 +201,7 @@ def _set_aside_newer_adapters(adapters: Path, version: int) -> None:
     log.info("moved %d adapters newer than version %d to %s", len(newer), version, aside)
 
 
-def _one_step(cfg: RunConfig, backend: LocalBackend, gateway: GatewayClient, api: RunApi,
+def _one_step(cfg: RunConfig, backend: TrainingBackend, gateway: GatewayClient, api: RunApi,
               intake: IntakeOptions, state: LoopState) -> dict[str, Any]:
     """Consume one batch; train and publish if anything in it is trainable. Advances `state`."""
     t0 = time.monotonic()
@@ -214,8 +224,8 @@ def _one_step(cfg: RunConfig, backend: LocalBackend, gateway: GatewayClient, api
     train: dict[str, Any] = {key: None for key in NO_UPDATE_KEYS}  # stay null when nothing is trainable
     train["tokens/trained"] = 0.0
     if converted.examples:
-        fb = backend.forward_backward(converted.examples, cfg.loss.params(), cfg.loss.reduction)
-        optim = backend.optim_step(build_adam_params(backend.step, cfg.optim))
+        fb, optim = backend.train_step(converted.examples, cfg.loss.params(), cfg.loss.reduction,
+                                       build_adam_params(backend.step, cfg.optim))
         train.update({"loss": fb.loss, **optim, **{k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS}})
         t_train = time.monotonic()
         gateway.publish(state.version + 1, backend.save_for_sampler(state.version + 1))

@@ -255,4 +255,5 @@ def test_live_tinker_smoke(tmp_path, examples):
                                         "launch.backend=tinker"])
     backend = TinkerBackend(cfg, tokenizer=AutoTokenizer.from_pretrained(model))
     fb, optim = backend.train_step(examples[:2], LossParams("cross_entropy"), "sum", AdamParams(1e-5))
-    assert fb.trainer_logprobs and backend.save_for_sampler(1).startswith("tinker://")
+    assert fb.trainer_logprobs and optim["optim/lr"] == 1e-5
+    assert backend.save_for_sampler(1).startswith("tinker://")

@@ -17,7 +17,9 @@ from pathlib import Path
 import uvicorn
 
 from inference.app import SamplingBackend, create_app
-from inference.policy import PolicyRegistry
+from inference.config import GatewayConfig
+from inference.policy import Policy, PolicyRegistry
+from inference.replicas import ReplicaSet
 from inference.vllm_backend import VLLMBackend, free_port
 from trainer.config import ConfigError, RunConfig, load_config
 
@@ -32,6 +34,24 @@ def resolve_model(path: str) -> tuple[str, int]:
         path = str(ensure_tiny_model())
     cfg = AutoConfig.from_pretrained(path)
     return path, int(cfg.get_text_config().vocab_size)
+
+
+def build_vllm_replicas(cfg: GatewayConfig, model_path: str, log_dir: Path,
+                        registry: PolicyRegistry) -> SamplingBackend:
+    def adapters() -> list[Policy]:
+        return [p for p in registry.loaded() if p.adapter_path]
+
+    n = cfg.vllm.replicas
+    if n == 1:
+        env = {"CUDA_VISIBLE_DEVICES": cfg.vllm.replica_devices[0]} if cfg.vllm.replica_devices else None
+        return VLLMBackend(cfg, model_path, log_dir / "vllm.log", restore=adapters, extra_env=env)
+    replicas = [
+        VLLMBackend(cfg, model_path, log_dir / f"vllm-{i}.log", restore=adapters,
+                    port=cfg.vllm.port + i if cfg.vllm.port else None, wait_on_crash=False,
+                    extra_env={"CUDA_VISIBLE_DEVICES": cfg.vllm.replica_devices[i]} if cfg.vllm.replica_devices else None)
+        for i in range(n)
+    ]
+    return ReplicaSet(replicas, wanted=adapters)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -53,8 +73,7 @@ async def serve(args: argparse.Namespace) -> int:
         backend = TinkerSamplingBackend(cfg, run_cfg.model.path, tokenizer, lambda: build_service_client(run_cfg),
                                         run_cfg.tinker.timeout_s)
     else:
-        backend = VLLMBackend(cfg, model_path, log_dir / "vllm.log",
-                              restore=lambda: [p for p in registry.loaded() if p.adapter_path])
+        backend = build_vllm_replicas(cfg, model_path, log_dir, registry)
     app = create_app(cfg, backend, registry, vocab_size)
     port = cfg.port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=port, log_level="warning"))

@@ -43,10 +43,14 @@ VERSION_HEADER = "X-Policy-Version"
 
 
 class SamplingBackend(Protocol):
-    url: str
-    state: str
-    restarts: int
-    max_model_len: int | None
+    @property
+    def url(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def restarts(self) -> int: ...
+    @property
+    def max_model_len(self) -> int | None: ...
 
     @property
     def ready(self) -> bool: ...
@@ -248,6 +252,6 @@ def create_app(cfg: GatewayConfig, backend: SamplingBackend, registry: PolicyReg
                             loaded_versions=[p.version for p in registry.loaded()],
                             in_flight=registry.in_flight(), healthy=backend.ready, state=backend.state,
                             restarts=backend.restarts, backend_url=backend.url,
-                            backend_pid=backend.pid)
+                            backend_pid=backend.pid, backend_pids=getattr(backend, "pids", [backend.pid]))
 
     return app

@@ -21,7 +21,16 @@ class VLLMConfig(BaseModel):
     enforce_eager: bool = Field(False, description="--enforce-eager (skip CUDA graphs)")
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the vLLM command")
     startup_timeout_s: float = Field(600.0, gt=0, description="deadline for the first real completion, seconds")
-    max_restarts: int = Field(5, ge=0, description="crash restarts before the gateway gives up and exits")
+    max_restarts: int = Field(5, ge=0, description="crash restarts per replica before it is given up")
+    replicas: int = Field(1, ge=1, description="vLLM servers behind the gateway, each on its own port")
+    replica_devices: list[str] | None = Field(
+        None, description="CUDA_VISIBLE_DEVICES per replica, e.g. ['0', '1'] or ['0,1', '2,3'] with tensor parallel")
+
+    @model_validator(mode="after")
+    def _check_devices(self) -> VLLMConfig:
+        if self.replica_devices is not None and len(self.replica_devices) != self.replicas:
+            raise ValueError(f"replica_devices has {len(self.replica_devices)} entries for {self.replicas} replicas")
+        return self
 
     @field_validator("max_lora_rank")
     @classmethod

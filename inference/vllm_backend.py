@@ -129,12 +129,17 @@ def check_adapter_folder(path: str, max_rank: int) -> None:
 
 class VLLMBackend:
     def __init__(self, cfg: GatewayConfig, model_path: str, log_path: Path,
-                 restore: Callable[[], list[Policy]]):
+                 restore: Callable[[], list[Policy]], port: int | None = None,
+                 extra_env: dict[str, str] | None = None, wait_on_crash: bool = True):
         self.cfg = cfg
         self.model_path = model_path
         self.log_path = log_path
         self.restore = restore  # adapters to load again after a crash restart
-        self.port = cfg.vllm.port or free_port()
+        self.extra_env = dict(extra_env or {})  # e.g. CUDA_VISIBLE_DEVICES for one replica
+        self.loaded: set[str] = set()  # LoRA names this vLLM process holds now
+        # Alone, a request cut by a crash waits for the restart; in a replica set it fails over at once instead.
+        self.wait_on_crash = wait_on_crash
+        self.port = port or cfg.vllm.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.state = "stopped"  # starting | ready | restarting | failed | stopped
         self.restarts = 0
@@ -162,7 +167,8 @@ class VLLMBackend:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as logf:
             logf.write(f"\n=== starting vLLM: {' '.join(argv)}\n".encode())
-            self.proc = subprocess.Popen(argv, env={**os.environ, **extra_env}, stdout=logf,
+            self.loaded = set()
+            self.proc = subprocess.Popen(argv, env={**os.environ, **extra_env, **self.extra_env}, stdout=logf,
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          preexec_fn=die_with_parent)
         log.info("vLLM pid %s on port %s (log %s)", self.proc.pid, self.port, self.log_path)
@@ -261,11 +267,13 @@ class VLLMBackend:
         """POST to vLLM; a request cut by a crash waits for the restart and is sent once more."""
         for attempt in range(2):
             if not self._ready.is_set():
+                if not self.wait_on_crash:
+                    raise BackendError(503, f"vLLM at {self.url} is {self.state}")
                 await self._wait_ready()
             try:
                 r = await self._client.post(path, json=body)
             except httpx.TransportError as exc:
-                if attempt == 0 and self.state in ("ready", "restarting"):
+                if attempt == 0 and self.state in ("ready", "restarting") and self.wait_on_crash:
                     await asyncio.sleep(0.5)  # let the supervisor notice the dead process
                     continue
                 raise BackendError(503, f"vLLM unreachable: {exc!r}") from exc
@@ -321,8 +329,10 @@ class VLLMBackend:
             r = await self._client.post("/v1/load_lora_adapter", json=body)
             if r.status_code != 200:
                 raise BackendError(502, f"reloading {policy.model_name} after a restart failed: {r.text}")
-            return
-        await self._post("/v1/load_lora_adapter", body)
+        else:
+            await self._post("/v1/load_lora_adapter", body)
+        self.loaded.add(policy.model_name)
 
     async def unload_adapter(self, policy: Policy) -> None:
+        self.loaded.discard(policy.model_name)
         await self._post("/v1/unload_lora_adapter", {"lora_name": policy.model_name})

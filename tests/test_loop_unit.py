@@ -112,3 +112,16 @@ def test_resume_sets_newer_adapters_aside(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("v*")) == ["v000001", "v000002"]
     (aside,) = tmp_path.glob("discarded-*")
     assert sorted(p.name for p in aside.iterdir()) == ["v000003", "v000004"]
+
+
+def test_metrics_writer_with_wandb_offline(tmp_path, monkeypatch):
+    from trainer.loop import MetricsWriter
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(RunConfig, None, [f"trainer.output_dir={tmp_path}", "launch.wandb=true"])
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", use_wandb=True, cfg=cfg)
+    writer.write({"step": 1, "reward/mean": 0.5, "loss": None})
+    writer.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["reward/mean"] == 0.5
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "W&B offline run folder missing"

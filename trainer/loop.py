@@ -80,14 +80,19 @@ class MetricsWriter:
         if use_wandb:
             import wandb
 
-            self._wandb = wandb.init(project=cfg.launch.wandb_project, name=path.parent.name,
+            # WANDB_MODE=offline (launch.sh's default) keeps it local: runs sync later with `wandb sync`.
+            self._wandb = wandb.init(project=cfg.launch.wandb_project, name=path.parent.name, dir=str(path.parent),
                                      config=cfg.model_dump(mode="json"), resume="allow")
 
     def write(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self._wandb is not None:
-            self._wandb.log(row, step=row["step"])
+            self._wandb.log({k: v for k, v in row.items() if v is not None}, step=row["step"])
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 @dataclass
@@ -158,6 +163,7 @@ def run(cfg: RunConfig) -> None:
         metrics.write(row)
         if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
             save_checkpoint(backend, run_dir, state)
+    metrics.close()
     gateway.close()
 
 

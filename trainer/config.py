@@ -89,6 +89,21 @@ class TrainerConfig(_Section):
     batch_poll_s: float = Field(0.1, gt=0, description="pause between run-api GET /batch polls, seconds")
 
 
+class DistributedConfig(_Section):
+    """Data-parallel training: torchrun starts the ranks, DDP sums LoRA gradients across them. The frozen base is
+    replicated on every rank (LoRA's optimizer state is tiny, so sharding it with FSDP would buy nothing)."""
+
+    nproc_per_node: int = Field(1, ge=1, description="trainer ranks per node (one per GPU); >1 starts torchrun")
+    nnodes: int = Field(1, ge=1, description="nodes the trainer spans (under SLURM: the first nnodes of the job)")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto = nccl on CUDA, gloo on CPU")
+    devices: str | None = Field(
+        None, description="CUDA_VISIBLE_DEVICES for the trainer (e.g. '2,3' when vLLM has '0,1'); None = inherit")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
 class RolloutConfig(_Section):
     env: str = Field("toy", description="environments/<name>.py, or a path to any Atropos environment file")
     group_size: int = Field(8, ge=1, description="samples per prompt (Atropos group_size)")
@@ -144,6 +159,7 @@ class RunConfig(_Section):
     inference: GatewayConfig = Field(default_factory=GatewayConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     tinker: TinkerConfig = Field(default_factory=TinkerConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
 
@@ -159,6 +175,9 @@ class RunConfig(_Section):
                              f"rollout.max_staleness={self.rollout.max_staleness}; drop the inference override")
         if self.loss.tis_cap is not None and self.loss.name in ("cross_entropy", "dro"):
             raise ValueError(f"loss.tis_cap applies to ratio losses, not loss.name={self.loss.name!r}")
+        if self.distributed.world_size > 1 and self.launch.backend == "tinker":
+            raise ValueError(f"distributed.nproc_per_node x nnodes = {self.distributed.world_size}: Tinker trains "
+                             "remotely; data-parallel ranks apply to launch.backend=local only")
         if self.trainer.micro_batch_tokens < self.trainer.max_seq_len:
             raise ValueError(
                 f"trainer.micro_batch_tokens={self.trainer.micro_batch_tokens} is below "

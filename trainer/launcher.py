@@ -126,9 +126,27 @@ def build_components(cfg: RunConfig, run_dir: Path, model_path: str) -> list[Com
     for w in range(cfg.rollout.env_workers):
         name = "env" if cfg.rollout.env_workers == 1 else f"env-{w}"
         components.append(Component(name, env_command(cfg, model_path, w), logs / f"{name}.log", cwd=ROOT))
-    components.append(Component("trainer", [PY, "-m", "trainer", "run", "--config", config_file],
-                                logs / "trainer.log", cwd=ROOT))
+    trainer_env = {"CUDA_VISIBLE_DEVICES": cfg.distributed.devices} if cfg.distributed.devices else {}
+    components.append(Component("trainer", trainer_command(cfg, config_file), logs / "trainer.log", cwd=ROOT,
+                                env=trainer_env))
     return components
+
+
+def trainer_command(cfg: RunConfig, config_file: str, rendezvous: str | None = None, run_id: str = "rl") -> list[str]:
+    """`python -m trainer run`, under torchrun when the config asks for several data-parallel ranks.
+    `rendezvous` (host:port of the first trainer node) is needed only when the trainer spans nodes."""
+    d = cfg.distributed
+    run = ["-m", "trainer", "run", "--config", config_file]
+    if d.world_size == 1:
+        return [PY, *run]
+    argv = [PY, "-m", "torch.distributed.run", f"--nproc_per_node={d.nproc_per_node}", f"--nnodes={d.nnodes}"]
+    if d.nnodes == 1:
+        argv.append("--standalone")
+    elif rendezvous is None:
+        raise ConfigError(f"distributed.nnodes={d.nnodes}: a trainer across nodes needs SLURM (sbatch launch.sh)")
+    else:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={run_id}"]
+    return argv + run
 
 
 def wait_http(url: str, comp: Component, timeout_s: float, what: str) -> None:
@@ -244,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, run_dir = resolve_run(args)
         cfg.launch.backend = args.backend if not args.resume else cfg.launch.backend
+        if cfg.launch.backend == "tinker" and cfg.distributed.world_size > 1:
+            raise ConfigError(f"--backend tinker with distributed.nproc_per_node x nnodes = "
+                              f"{cfg.distributed.world_size}: Tinker trains remotely; drop the distributed settings")
         return launch(cfg, run_dir, args.dry_run, resumed=bool(args.resume))
     except ConfigError as exc:
         print(f"launch.sh: {exc}", file=sys.stderr)

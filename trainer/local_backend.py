@@ -6,6 +6,7 @@ Must not talk to run-api or the gateway (the loop does).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -22,6 +23,13 @@ from safetensors.torch import load_file, save_file
 from trainer.backend import AdamParams, ForwardBackwardResult
 from trainer.batch import TrainingExample, examples_to_tensors, plan_micro_batches
 from trainer.config import RunConfig
+from trainer.distributed import (
+    gather_objects,
+    init_process_group,
+    rank_info,
+    shard_indices,
+    sum_gradients_hook,
+)
 from trainer.logprobs import compute_token_logprobs
 from trainer.losses import (
     LossInputs,
@@ -36,11 +44,11 @@ ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def resolve_device(cfg: RunConfig) -> torch.device:
-    if cfg.model.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The device of this rank: cuda:LOCAL_RANK under torchrun on GPUs."""
     if cfg.model.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("model.device=cuda but no CUDA device is visible; use model.device=cpu or auto")
-    return torch.device(cfg.model.device)
+    use_cuda = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda", rank_info().local_rank) if use_cuda else torch.device("cpu")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -88,13 +96,42 @@ def build_peft_model(cfg: RunConfig, device: torch.device, model: Any = None) ->
     return peft_model
 
 
+class TokenLogprobs(torch.nn.Module):
+    """The differentiable part of a step as one module (what DDP wraps): token logprobs of a padded batch."""
+
+    def __init__(self, peft_model: Any, chunk_tokens: int):
+        super().__init__()
+        self.peft_model = peft_model
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, target_ids_BT: torch.Tensor,
+                mask_BT: torch.Tensor, temperature_B: torch.Tensor | None) -> torch.Tensor:
+        causal_lm = self.peft_model.get_base_model()
+        hidden_BTH = causal_lm.get_decoder()(
+            input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
+        ).last_hidden_state
+        return compute_token_logprobs(causal_lm.get_output_embeddings(), hidden_BTH, target_ids_BT, mask_BT != 0,
+                                      temperature_B, self.chunk_tokens)
+
+
 class LocalBackend:
-    """TrainingBackend on a local GPU or CPU. See trainer.backend.TrainingBackend for the contract."""
+    """TrainingBackend on a local GPU or CPU, or one rank of a torchrun data-parallel job (trainer.distributed).
+    See trainer.backend.TrainingBackend for the contract."""
 
     def __init__(self, cfg: RunConfig, model: Any = None):
         self.cfg = cfg
+        self.ranks = rank_info()
         self.device = resolve_device(cfg)
+        init_process_group(cfg.distributed.backend, self.device)
         self.model = build_peft_model(cfg, self.device, model)
+        self.net: torch.nn.Module = TokenLogprobs(self.model, cfg.trainer.logprob_chunk_tokens)
+        self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        if self.ranks.world_size > 1:
+            # DDP broadcasts rank 0's weights at construction, so every rank starts from the same adapter.
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                self.net, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            self.ddp.register_comm_hook(None, sum_gradients_hook)
+            self.net = self.ddp
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.optim.lr, fused=self.device.type == "cuda"
@@ -116,32 +153,37 @@ class LocalBackend:
     def forward_backward(
         self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction = "sum"
     ) -> ForwardBackwardResult:
+        """Gradients of the whole batch's loss. Under data parallelism every rank is given the whole batch, trains
+        its shard, and the summed gradients, loss and metrics are those of the whole batch."""
         if not examples:
             raise ValueError("forward_backward needs at least one example")
         started = time.perf_counter()
         self.model.train()
+        # Whole-batch counts on every rank: the per-shard losses then add up to the whole batch's loss.
         total_tokens = float(sum(sum(e.loss_mask) for e in examples))
-        use_temperature = self.cfg.advantage.sampler_logprobs == "processed"
-        logprobs: list[list[float]] = [[] for _ in examples]
+        mine = shard_indices([len(e) for e in examples], self.ranks.rank, self.ranks.world_size)
+        plans = [[mine[j] for j in plan] for plan in
+                 plan_micro_batches([len(examples[i]) for i in mine], self.cfg.trainer.micro_batch_tokens)]
+        placeholder = not plans  # fewer examples than ranks: still join the gradient all-reduce, with weight 0
+        logprobs: dict[int, list[float]] = {}
         parts, loss_value = [], 0.0
-        for plan in plan_micro_batches([len(e) for e in examples], self.cfg.trainer.micro_batch_tokens):
-            batch = {k: v.to(self.device) for k, v in examples_to_tensors([examples[i] for i in plan]).items()}
-            trainer_lp_BT = self._forward_logprobs(batch, use_temperature)
-            weights_BT = compute_reduction_weights(batch["mask_BT"], reduction, total_tokens, len(examples))
-            inputs = LossInputs(
-                trainer_logprobs_BT=trainer_lp_BT,
-                sampler_logprobs_BT=batch["sampler_logprobs_BT"],
-                advantages_BT=batch["advantages_BT"],
-                mask_BT=batch["mask_BT"],
-                reduction_weights_BT=weights_BT,
-            )
-            micro_loss, micro_metrics = compute_loss(inputs, loss)
-            micro_loss.backward()
-            loss_value += float(micro_loss.detach().item())
+        for k, plan in enumerate(plans or [[0]]):
+            last = k == max(len(plans), 1) - 1
+            # DDP all-reduces on the last micro-batch only; the others accumulate locally.
+            with self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext():
+                micro_loss, micro_metrics, lp_BT = self._micro_step(
+                    [examples[i] for i in plan], loss, reduction, total_tokens, len(examples), placeholder)
+            if placeholder:
+                continue
+            loss_value += micro_loss
             parts.append(micro_metrics)
-            lp_cpu = trainer_lp_BT.detach().cpu()
             for row, i in enumerate(plan):
-                logprobs[i] = lp_cpu[row, : len(examples[i])].tolist()
+                logprobs[i] = lp_BT[row, : len(examples[i])].tolist()
+        if self.ranks.world_size > 1:
+            gathered = gather_objects((parts, logprobs, loss_value))
+            parts = [p for g in gathered for p in g[0]]
+            logprobs = {i: lp for g in gathered for i, lp in g[1].items()}
+            loss_value = sum(g[2] for g in gathered)
         elapsed = time.perf_counter() - started
         metrics = finalize_metrics(parts)
         metrics.update(
@@ -152,21 +194,29 @@ class LocalBackend:
                 "perf/micro_batches": float(len(parts)),
             }
         )
-        return ForwardBackwardResult(trainer_logprobs=logprobs, loss=loss_value, metrics=metrics)
+        return ForwardBackwardResult(trainer_logprobs=[logprobs[i] for i in range(len(examples))], loss=loss_value,
+                                     metrics=metrics)
 
-    def _forward_logprobs(self, batch: dict[str, torch.Tensor], use_temperature: bool) -> torch.Tensor:
-        causal_lm = self.model.get_base_model()
-        hidden_BTH = causal_lm.get_decoder()(
-            input_ids=batch["input_ids_BT"], attention_mask=batch["attention_mask_BT"], use_cache=False
-        ).last_hidden_state
-        return compute_token_logprobs(
-            causal_lm.get_output_embeddings(),
-            hidden_BTH,
-            batch["target_ids_BT"],
-            batch["mask_BT"] != 0,
-            batch["temperature_B"] if use_temperature else None,
-            self.cfg.trainer.logprob_chunk_tokens,
+    def _micro_step(self, chunk: list[TrainingExample], loss: LossParams, reduction: Reduction,
+                    total_tokens: float, n_sequences: int, zero_weight: bool,
+                    ) -> tuple[float, dict[str, float], torch.Tensor]:
+        batch = {k: v.to(self.device) for k, v in examples_to_tensors(chunk).items()}
+        use_temperature = self.cfg.advantage.sampler_logprobs == "processed"
+        trainer_lp_BT = self.net(batch["input_ids_BT"], batch["attention_mask_BT"], batch["target_ids_BT"],
+                                 batch["mask_BT"], batch["temperature_B"] if use_temperature else None)
+        weights_BT = compute_reduction_weights(batch["mask_BT"], reduction, total_tokens, n_sequences)
+        if zero_weight:
+            weights_BT = torch.zeros_like(weights_BT)
+        inputs = LossInputs(
+            trainer_logprobs_BT=trainer_lp_BT,
+            sampler_logprobs_BT=batch["sampler_logprobs_BT"],
+            advantages_BT=batch["advantages_BT"],
+            mask_BT=batch["mask_BT"],
+            reduction_weights_BT=weights_BT,
         )
+        micro_loss, micro_metrics = compute_loss(inputs, loss)
+        micro_loss.backward()
+        return float(micro_loss.detach().item()), micro_metrics, trainer_lp_BT.detach().cpu()
 
     def train_step(self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction,
                    adam: AdamParams) -> tuple[ForwardBackwardResult, dict[str, float]]:

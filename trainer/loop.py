@@ -23,6 +23,7 @@ from inference.client import GatewayClient
 from trainer.backend import TrainingBackend
 from trainer.batch import IntakeOptions, convert_batch, parse_batch_response
 from trainer.config import RunConfig
+from trainer.distributed import RankZeroBackend, rank_info
 from trainer.schedule import build_adam_params
 
 log = logging.getLogger("trainer.loop")
@@ -140,14 +141,35 @@ def build_training_backend(cfg: RunConfig) -> TrainingBackend:
         return TinkerBackend(cfg)
     from trainer.local_backend import LocalBackend
 
-    return LocalBackend(cfg)
+    local = LocalBackend(cfg)
+    return RankZeroBackend(local) if local.ranks.world_size > 1 else local
+
+
+def follow_rank_zero(cfg: RunConfig) -> None:
+    """Ranks > 0 of a data-parallel trainer: no I/O, only the collective calls rank 0 makes."""
+    from trainer.distributed import follow
+    from trainer.local_backend import LocalBackend
+
+    follow(LocalBackend(cfg))
 
 
 def run(cfg: RunConfig) -> None:
     run_dir = Path(cfg.trainer.output_dir)
     if cfg.launch.run_api_url is None or cfg.launch.gateway_url is None:
         raise ValueError("launch.run_api_url and launch.gateway_url must be set (launch.sh sets them)")
+    if not rank_info().is_main:
+        follow_rank_zero(cfg)
+        return
     backend = build_training_backend(cfg)
+    _run_main(cfg, backend, run_dir)
+    # On an exception rank 0 exits instead; torchrun then stops the other ranks (a stop message could land in the
+    # middle of a collective they are waiting in).
+    if isinstance(backend, RankZeroBackend):
+        backend.close()  # releases the other ranks
+
+
+def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> None:
+    assert cfg.launch.run_api_url is not None and cfg.launch.gateway_url is not None
     gateway = GatewayClient(cfg.launch.gateway_url, cfg.inference.publish_token)
     api = RunApi(cfg.launch.run_api_url)
     state = _resume(backend, gateway, run_dir)

@@ -1,0 +1,62 @@
+"""Three optimizer steps of the tiny model on the fixture batch, as one rank of a torchrun job; rank 0 writes the
+resulting LoRA weights and per-step results. tests/test_distributed.py runs it with 1 and with 2 ranks.
+
+    python -m torch.distributed.run --standalone --nproc_per_node N tests/dist_step.py OUT_DIR MICRO_BATCH_TOKENS
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from trainer.backend import AdamParams  # noqa: E402
+from trainer.batch import IntakeOptions, convert_batch  # noqa: E402
+from trainer.config import RunConfig  # noqa: E402
+from trainer.distributed import RankZeroBackend, follow, rank_info  # noqa: E402
+from trainer.local_backend import LocalBackend  # noqa: E402
+from trainer.losses import LossParams  # noqa: E402
+
+FIXTURE = ROOT / "tests" / "fixtures" / "runapi_batch.json"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def main(out: Path, micro_batch_tokens: int) -> None:
+    torch.set_num_threads(1)
+    info = rank_info()
+    cfg = RunConfig.model_validate({
+        "model": {"path": "tiny"},
+        "lora": {"rank": 8, "alpha": 32, "target_modules": TARGETS},
+        "trainer": {"output_dir": str(out / f"rank{info.rank}"), "max_seq_len": 64,
+                    "micro_batch_tokens": micro_batch_tokens, "logprob_chunk_tokens": 16},
+        "distributed": {"backend": "gloo"},
+    })
+    local = LocalBackend(cfg)
+    if not info.is_main:
+        follow(local)
+        return
+    backend = RankZeroBackend(local) if info.world_size > 1 else local
+    examples = convert_batch(json.loads(FIXTURE.read_text())["batch"],
+                             IntakeOptions(vocab_size=2048, max_seq_len=64)).examples
+    # Step 2 reverses the order (other shards); step 3 has one example, fewer than the ranks.
+    results = []
+    for batch in (examples, examples[::-1], examples[:1]):
+        fb, optim = backend.train_step(batch, LossParams("importance_sampling"), "seq_mean_token_sum",
+                                       AdamParams(learning_rate=1e-2, grad_clip_norm=1.0))
+        results.append({"loss": fb.loss, "grad_norm": optim["optim/grad_norm"], "metrics": fb.metrics,
+                         "trainer_logprobs": fb.trainer_logprobs})
+    weights = {n: p.detach().clone().contiguous() for n, p in local.model.named_parameters() if p.requires_grad}
+    save_file(weights, str(out / "lora.safetensors"))
+    (out / "results.json").write_text(json.dumps(results))
+    if isinstance(backend, RankZeroBackend):
+        backend.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,153 @@
+"""Data-parallel training over ranks that torchrun starts (`distributed.nproc_per_node`, `distributed.nnodes`).
+
+Every rank holds the whole model; rank 0 alone talks to run-api and the gateway and writes adapters and
+checkpoints. For each step rank 0 broadcasts the full example list; each rank trains its token-balanced shard
+through torch's DistributedDataParallel, whose communication hook SUMS the LoRA gradients (the loss already
+weights every token by whole-batch counts, so the sum over shards is the one-big-batch gradient, not a mean).
+The optimizer then takes the same step on every rank from the same gradients.
+"""
+
+# No `from __future__ import annotations`: DDP checks the comm hook's annotations as live objects.
+import datetime
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.backend import AdamParams, ForwardBackwardResult
+from trainer.batch import TrainingExample
+from trainer.losses import LossParams, Reduction
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def rank_info() -> RankInfo:
+    """This process's place in the torchrun job (rank 0 of 1 when not started by torchrun)."""
+    return RankInfo(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                    int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_process_group(backend: str, device: torch.device, timeout_s: float = 1800.0) -> None:
+    """Join the torchrun job (rendezvous from torchrun's env vars). A no-op for a single rank."""
+    info = rank_info()
+    if info.world_size == 1 or dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # Generous timeout: rank 0 may spend minutes waiting for run-api batches between collectives.
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def shard_indices(lengths: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """Contiguous shard of example indices for `rank`, balanced by tokens, at least one example per rank when
+    there are enough. Deterministic: every rank computes every shard the same way."""
+    n = len(lengths)
+    if n < world_size:
+        return [rank] if rank < n else []
+    total = float(sum(lengths))
+    midpoints, running = [], 0.0
+    for length in lengths:
+        midpoints.append(running + length / 2)
+        running += length
+    bounds = [0]
+    for r in range(1, world_size):
+        # An example goes to the rank whose share of the token total holds its midpoint.
+        cut = sum(1 for m in midpoints if m < total * r / world_size)
+        bounds.append(min(max(cut, bounds[-1] + 1), n - (world_size - r)))
+    bounds.append(n)
+    return list(range(bounds[rank], bounds[rank + 1]))
+
+
+def sum_gradients_hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: all-reduce SUM (DDP's default hook divides by the world size)."""
+    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda f: f.value()[0])
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (one element on a single rank)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj: Any = None) -> Any:
+    """Rank 0's `obj` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class RankZeroBackend:
+    """The TrainingBackend the loop sees on rank 0 of a data-parallel job: collective calls are announced to the
+    other ranks (which run `follow`) before rank 0 makes them; file writes happen on rank 0 only."""
+
+    def __init__(self, local: Any):
+        self.local = local
+
+    @property
+    def step(self) -> int:
+        return int(self.local.step)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.local.vocab_size)
+
+    def forward_backward(self, examples: Sequence[TrainingExample], loss: LossParams,
+                         reduction: Reduction = "sum") -> ForwardBackwardResult:
+        broadcast(("forward_backward", (list(examples), loss, reduction)))
+        return self.local.forward_backward(examples, loss, reduction)  # type: ignore[no-any-return]
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        broadcast(("optim_step", (adam,)))
+        return self.local.optim_step(adam)  # type: ignore[no-any-return]
+
+    def train_step(self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction,
+                   adam: AdamParams) -> tuple[ForwardBackwardResult, dict[str, float]]:
+        return self.forward_backward(examples, loss, reduction), self.optim_step(adam)
+
+    def load_state(self, path: str) -> None:
+        broadcast(("load_state", (path,)))
+        self.local.load_state(path)
+
+    def save_for_sampler(self, version: int) -> str:
+        return str(self.local.save_for_sampler(version))
+
+    def save_state(self, name: str) -> str:
+        return str(self.local.save_state(name))
+
+    def close(self) -> None:
+        broadcast(("stop", ()))
+        dist.destroy_process_group()
+
+
+FOLLOWER_CALLS = frozenset({"forward_backward", "optim_step", "load_state"})
+
+
+def follow(local: Any) -> None:
+    """Ranks > 0: make the collective calls rank 0 announces, until it says stop."""
+    while True:
+        name, args = broadcast()
+        if name == "stop":
+            dist.destroy_process_group()
+            return
+        if name not in FOLLOWER_CALLS:
+            raise RuntimeError(f"rank {dist.get_rank()}: rank 0 announced unknown call {name!r}")
+        getattr(local, name)(*args)

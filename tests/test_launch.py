@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import group_alive
+from tests.helpers import assert_learned, group_alive
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
@@ -59,9 +59,7 @@ def test_tiny_model_learns_the_toy_task_through_the_whole_stack(tmp_path):
     for row in rows:
         missing = [k for k in REQUIRED if k not in row]
         assert not missing, f"step {row['step']} lacks {missing}"
-    rewards = [r["reward/mean"] for r in rows]
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last >= 0.8 and last - first >= 0.4, rewards
+    assert_learned([r["reward/mean"] for r in rows])
     assert rows[-1]["policy_version"] >= 10  # the adapters really reached vLLM, step after step
     assert all(r["policy/staleness_max"] <= 1 for r in rows)
     assert "step   30/30" in out and "run finished" in out

@@ -78,3 +78,31 @@ def test_placement_errors_name_the_fix():
          "--slurm-nodes", "n[1-2]", "distributed.nnodes=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "distributed.nnodes=3 but the job has 2 node(s)" in proc.stderr
     assert "--nodes=3" in proc.stderr
+
+
+def test_slurm_placement_binds_all_interfaces_with_a_publish_token_and_derived_ports():
+    from inference.config import GatewayConfig
+    from trainer.config import RunConfig, load_config
+    from trainer.launcher import place_on_slurm
+    from trainer.slurm import SlurmJob, derive_ports
+
+    cfg = load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml", ["rollout.env_workers=3"])
+    placement = place_on_slurm(cfg, SlurmJob(123457, ["a1", "a2"]))
+    ports = derive_ports(123457)
+    assert (ports.run_api, ports.gateway, ports.rendezvous) == (20000 + 3457 * 4, 20000 + 3457 * 4 + 1,
+                                                                 20000 + 3457 * 4 + 2)
+    assert cfg.launch.run_api_url == f"http://a1:{ports.run_api}" and cfg.launch.gateway_url == f"http://a1:{ports.gateway}"
+    assert cfg.inference.host == "0.0.0.0" and len(cfg.inference.publish_token or "") >= 24
+    GatewayConfig.model_validate(cfg.inference.model_dump())  # what the gateway process will load
+    assert placement.hosts["trainer"] == ["a1"] and placement.hosts["gateway"] == ["a1"]
+    assert [placement.hosts[f"env-{w}"] for w in range(3)] == [["a2"], ["a2"], ["a2"]]
+
+
+def test_nodelist_parsing_matches_scontrol_forms():
+    from trainer.config import ConfigError
+    from trainer.slurm import parse_nodelist
+
+    assert parse_nodelist("gpu[01-03,7],cpu1") == ["gpu01", "gpu02", "gpu03", "gpu7", "cpu1"]  # as scontrol prints
+    assert parse_nodelist("n[1-2]-ib[0-1]") == ["n1-ib0", "n1-ib1", "n2-ib0", "n2-ib1"]
+    with pytest.raises(ConfigError, match="not a number"):
+        parse_nodelist("gpu[a-b]")

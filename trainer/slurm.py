@@ -65,7 +65,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 def parse_nodelist(nodelist: str) -> list[str]:
     """Offline expansion of a node list for previews (`--dry-run --slurm-nodes`), where no SLURM controller may be
-    reachable: `gpu[01-03,7],cpu1` -> gpu01 gpu02 gpu03 gpu07 cpu1. Inside a job, expand_nodelist asks scontrol."""
+    reachable: `gpu[01-03,7],cpu1` -> gpu01 gpu02 gpu03 gpu7 cpu1 (each range keeps its own zero padding, as
+    scontrol does). Inside a job, expand_nodelist asks scontrol itself."""
     hosts: list[str] = []
     for item in _split_top_level(nodelist):
         hosts.extend(_expand_item(item, nodelist))

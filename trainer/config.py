@@ -87,6 +87,9 @@ class TrainerConfig(_Section):
     output_dir: str = Field("runs/default", description="run folder: adapters/, checkpoints/, metrics.jsonl")
     checkpoint_every: int = Field(10, ge=0, description="save optimizer+adapter state every N steps; 0 = never")
     batch_poll_s: float = Field(0.1, gt=0, description="pause between run-api GET /batch polls, seconds")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="torch threads when training on CPU; None = torch's default (all cores). With vLLM "
+                                "on the same cores, 1 avoids fighting its OpenMP workers")
 
 
 class DistributedConfig(_Section):

@@ -122,6 +122,8 @@ class LocalBackend:
         self.cfg = cfg
         self.ranks = rank_info()
         self.device = resolve_device(cfg)
+        if self.device.type == "cpu" and cfg.trainer.cpu_threads is not None:
+            torch.set_num_threads(cfg.trainer.cpu_threads)
         init_process_group(cfg.distributed.backend, self.device)
         self.model = build_peft_model(cfg, self.device, model)
         self.net: torch.nn.Module = TokenLogprobs(self.model, cfg.trainer.logprob_chunk_tokens)

@@ -125,3 +125,17 @@ def test_metrics_writer_with_wandb_offline(tmp_path, monkeypatch):
     writer.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["reward/mean"] == 0.5
     assert list((tmp_path / "wandb").glob("offline-run-*")), "W&B offline run folder missing"
+
+
+def test_resume_takes_overrides_after_the_run_folder(tmp_path, capsys):
+    """`launch.sh --resume RUN_DIR rollout.num_steps=50`: argparse would hand the override to the env positional."""
+    import yaml
+
+    from trainer.launcher import main
+
+    cfg = load_config(RunConfig, Path(__file__).parent.parent / "configs" / "tiny_cpu.yaml",
+                      [f"trainer.output_dir={tmp_path}"])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert main(["--resume", str(tmp_path), "rollout.num_steps=50", "optim.lr=0.5", "--dry-run"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out.split("# commands")[0])
+    assert printed["rollout"]["num_steps"] == 50 and printed["optim"]["lr"] == 0.5

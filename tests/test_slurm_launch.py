@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -51,6 +52,36 @@ def test_sbatch_launch_learns_the_toy_task_and_leaves_nothing_behind(tmp_path):
     started = datetime.fromisoformat(info["StartTime"]).timestamp()
     print(json.dumps({"slurm_start_to_first_step_s": round(rows[0]["unix_time"] - started, 1),
                       "slurm_start_to_end_s": round(datetime.fromisoformat(info["EndTime"]).timestamp() - started, 1)}))
+
+
+def test_scancel_mid_run_stops_every_step_and_leaves_a_checkpoint(tmp_path):
+    """What a user does to a running job: scancel. The launcher and every step get SIGTERM; the gateway stops its
+    vLLM; nothing survives the job, and the run folder keeps a complete checkpoint to resume from."""
+    pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
+    reason = ensure_installed()
+    if reason is not None:
+        pytest.skip(reason)
+    run_dir, job_out = tmp_path / "run", tmp_path / "job.out"
+    sbatch_args = ["--gpus-per-node=0", "--cpus-per-task=2", "--mem=0", "--time=15"]
+    with SlurmCluster(tmp_path / "slurm") as cluster:
+        job = cluster.sbatch([*sbatch_args, f"--output={job_out}", "launch.sh", "toy", "--config",
+                              "configs/tiny_cpu.yaml", f"trainer.output_dir={run_dir}", "trainer.checkpoint_every=2",
+                              "launch.slurm_bind_host=127.0.0.1"], cwd=ROOT)
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 400
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+            state = cluster.job_state(job).get("JobState")
+            assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (state, job_out.read_text())
+            time.sleep(0.5)
+        cluster.run_client(["scancel", str(job)])
+        info = cluster.wait_job(job, timeout_s=120)
+        assert info["JobState"] == "CANCELLED", info
+        leftovers = cluster.stop()
+    assert leftovers == [], f"processes outlived the cancelled job: {leftovers}"
+    # The run folder is resumable: `latest` names a complete checkpoint (launch.sh --resume is tested in
+    # test_launch.py; under SLURM it is the same code path in a new job).
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (ckpt / "trainer_state.pt").is_file() and (ckpt / "adapter_model.safetensors").is_file()
 
 
 def test_dry_run_prints_a_multi_node_placement():

@@ -303,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --dry-run: show the SLURM placement on these nodes (e.g. 'gpu[01-03]')")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=2e-5")
     args = p.parse_intermixed_args(argv)  # overrides may come before or after the options
+    if args.env and "=" in args.env and not Path(args.env).exists():
+        # `--resume RUN_DIR key=value`: argparse hands the first override to the optional env positional.
+        args.overrides.insert(0, args.env)
+        args.env = None
     if not args.env and not args.resume:
         p.error("give an environment (e.g. toy) or --resume RUN_DIR")
     try:

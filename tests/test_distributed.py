@@ -74,3 +74,19 @@ def test_two_gloo_ranks_make_the_same_update_as_one(tmp_path, micro_batch_tokens
     assert moved > 1e-2, "the steps must move the adapter for the comparison to mean anything"
     assert max(float((w1[k] - w2[k]).norm() / w1[k].norm()) for k in w1) < 1e-4
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-4
+
+
+def test_backend_flag_goes_through_the_same_validation(capsys):
+    from trainer.launcher import main
+
+    assert main(["toy", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--backend", "tinker",
+                 "distributed.nproc_per_node=2", "--dry-run"]) == 2
+    assert "launch.backend=local" in capsys.readouterr().err
+
+
+def test_a_trainer_across_nodes_outside_slurm_is_refused(capsys):
+    from trainer.launcher import main
+
+    assert main(["toy", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "distributed.nnodes=2",
+                 "--dry-run"]) == 2
+    assert "needs SLURM" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import datetime
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ import torch.distributed as dist
 from trainer.backend import AdamParams, ForwardBackwardResult
 from trainer.batch import TrainingExample
 from trainer.losses import LossParams, Reduction
+
+if TYPE_CHECKING:  # local_backend imports this module
+    from trainer.local_backend import LocalBackend
 
 
 @dataclass(frozen=True)
@@ -99,25 +102,25 @@ class RankZeroBackend:
     """The TrainingBackend the loop sees on rank 0 of a data-parallel job: collective calls are announced to the
     other ranks (which run `follow`) before rank 0 makes them; file writes happen on rank 0 only."""
 
-    def __init__(self, local: Any):
+    def __init__(self, local: "LocalBackend"):
         self.local = local
 
     @property
     def step(self) -> int:
-        return int(self.local.step)
+        return self.local.step
 
     @property
     def vocab_size(self) -> int:
-        return int(self.local.vocab_size)
+        return self.local.vocab_size
 
     def forward_backward(self, examples: Sequence[TrainingExample], loss: LossParams,
                          reduction: Reduction = "sum") -> ForwardBackwardResult:
         broadcast(("forward_backward", (list(examples), loss, reduction)))
-        return self.local.forward_backward(examples, loss, reduction)  # type: ignore[no-any-return]
+        return self.local.forward_backward(examples, loss, reduction)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         broadcast(("optim_step", (adam,)))
-        return self.local.optim_step(adam)  # type: ignore[no-any-return]
+        return self.local.optim_step(adam)
 
     def train_step(self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction,
                    adam: AdamParams) -> tuple[ForwardBackwardResult, dict[str, float]]:
@@ -128,10 +131,10 @@ class RankZeroBackend:
         self.local.load_state(path)
 
     def save_for_sampler(self, version: int) -> str:
-        return str(self.local.save_for_sampler(version))
+        return self.local.save_for_sampler(version)
 
     def save_state(self, name: str) -> str:
-        return str(self.local.save_state(name))
+        return self.local.save_state(name)
 
     def close(self) -> None:
         broadcast(("stop", ()))
@@ -141,7 +144,7 @@ class RankZeroBackend:
 FOLLOWER_CALLS = frozenset({"forward_backward", "optim_step", "load_state"})
 
 
-def follow(local: Any) -> None:
+def follow(local: "LocalBackend") -> None:
     """Ranks > 0: make the collective calls rank 0 announces, until it says stop."""
     while True:
         name, args = broadcast()

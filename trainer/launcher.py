@@ -279,7 +279,8 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     config = Path(args.config) if args.config else ROOT / "configs" / f"{Path(args.env).stem}.yaml"
     if not config.is_file():
         raise ConfigError(f"no config {config}; pass --config FILE (e.g. configs/tiny_cpu.yaml)")
-    overrides = [f"rollout.env={args.env}", *args.overrides]
+    # --backend goes through validation with the rest (RunConfig refuses e.g. Tinker with data-parallel ranks).
+    overrides = [f"rollout.env={args.env}", *args.overrides, f"launch.backend={args.backend}"]
     if not any(o.startswith("trainer.output_dir=") for o in args.overrides):
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         overrides.append(f"trainer.output_dir={ROOT / 'runs' / f'{Path(args.env).stem}-{stamp}'}")
@@ -311,10 +312,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give an environment (e.g. toy) or --resume RUN_DIR")
     try:
         cfg, run_dir = resolve_run(args)
-        cfg.launch.backend = args.backend if not args.resume else cfg.launch.backend
-        if cfg.launch.backend == "tinker" and cfg.distributed.world_size > 1:
-            raise ConfigError(f"--backend tinker with distributed.nproc_per_node x nnodes = "
-                              f"{cfg.distributed.world_size}: Tinker trains remotely; drop the distributed settings")
         if args.slurm_nodes and not args.dry_run:
             raise ConfigError("--slurm-nodes previews a placement and needs --dry-run; under SLURM the job's "
                               "own nodes are used")
@@ -344,7 +341,7 @@ def place_on_slurm(cfg: RunConfig, job: SlurmJob, preview: bool = False) -> Plac
 def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> None:
     placement = place_on_slurm(cfg, job, preview=True) if job is not None else None
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
-    if placement is None or job is None:
+    if job is None or placement is None:
         print("# commands (ports are chosen at launch when 0):")
     else:
         print(f"# placement in SLURM job {job.job_id or '<id>'} on {len(job.hosts)} node(s): {','.join(job.hosts)}")
@@ -395,11 +392,9 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
         # Fresh ports on every launch (a resumed run included) unless the config pins them.
         cfg.launch.run_api_url = f"http://127.0.0.1:{cfg.launch.run_api_port or free_port()}"
         cfg.launch.gateway_url = f"http://127.0.0.1:{cfg.inference.port or free_port()}"
-    if cfg.distributed.nnodes > 1 and job is None:
-        raise ConfigError(f"distributed.nnodes={cfg.distributed.nnodes}: a trainer across nodes needs SLURM "
-                          "(sbatch launch.sh ...)")
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    # Built before config.yaml is written: a config that cannot run (nnodes > 1 outside SLURM) leaves no trace.
     components = build_components(cfg, run_dir, model_path, placement, job.job_id if job else 0)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     stopping = {"signal": 0}
 
     def on_signal(signum: int, _: Any) -> None:

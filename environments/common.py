@@ -4,8 +4,12 @@ ManagedServer nodes, and the process entry point. Imports atroposlib; nothing he
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import os
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import httpx
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, ScoredDataGroup
 
@@ -32,7 +36,41 @@ def group_from_nodes(nodes: Sequence[Any], scores: Sequence[float]) -> ScoredDat
     return group
 
 
-def run_cli(env_cls: type[BaseEnv]) -> None:
+Preflight = Callable[[dict[str, str]], list[str]]
+
+
+def hub_reachable(timeout_s: float = 5.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        httpx.head(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout=timeout_s, follow_redirects=True)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def env_flags(argv: Sequence[str]) -> dict[str, str]:
+    """`--env.key=value` flags as {key: value} (the launcher passes rollout.env_args this way)."""
+    flags = {}
+    for arg in argv:
+        key, sep, value = arg.removeprefix("--").partition("=")
+        if sep and key.startswith("env."):
+            flags[key.removeprefix("env.")] = value
+    return flags
+
+
+def run_preflight(check: Preflight | None, argv: Sequence[str]) -> int:
+    """`python -m environments.NAME preflight [--env.key=value ...]`: one `preflight: ...` line on stderr per
+    problem (what is missing and how to supply it), exit 2 if any."""
+    problems = check(env_flags(argv)) if check else []
+    for problem in problems:
+        print(f"preflight: {problem}", file=sys.stderr)
+    return 2 if problems else 0
+
+
+def run_cli(env_cls: type[BaseEnv], preflight: Preflight | None = None) -> None:
+    if sys.argv[1:2] == ["preflight"]:
+        sys.exit(run_preflight(preflight, sys.argv[2:]))
     # atroposlib logs at INFO without a handler of its own.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -16,7 +16,7 @@ from typing import Any
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
 
-from environments.common import completion_ids, gateway_servers, group_from_nodes, run_cli
+from environments.common import completion_ids, gateway_servers, group_from_nodes, hub_reachable, run_cli
 
 SYSTEM_PROMPT = ("Solve the math problem step by step. End with the final answer as a number in \\boxed{}, "
                  "for example \\boxed{42}.")
@@ -66,25 +66,22 @@ def load_rows(data_path: str | None, dataset: str, config: str, split: str) -> l
     return rows
 
 
-def preflight(cfg: Any) -> None:
-    """Called by launch.sh before starting anything: is there GSM8K data to read?"""
-    from trainer.config import ConfigError
-    from trainer.preflight import hub_reachable
-
-    data_path = cfg.rollout.env_args.get("data_path")
+def preflight(flags: dict[str, str]) -> list[str]:
+    """Run by launch.sh before starting anything: is there GSM8K data to read?"""
+    data_path = flags.get("data_path")
     if data_path:
-        if not Path(data_path).is_file():
-            raise ConfigError(f"rollout.env_args.data_path={data_path!r} does not exist; {HOW_TO_SUPPLY}")
-        return
+        return [] if Path(data_path).is_file() else [
+            f"rollout.env_args.data_path={data_path!r} does not exist; {HOW_TO_SUPPLY}"]
     try:
         from huggingface_hub import snapshot_download
 
-        snapshot_download("openai/gsm8k", repo_type="dataset", local_files_only=True)
-        return
-    except Exception:  # not cached
+        snapshot_download(flags.get("dataset", "openai/gsm8k"), repo_type="dataset", local_files_only=True)
+        return []
+    except Exception:  # not cached (the hub library raises several error types for this)
         pass
-    if not hub_reachable():
-        raise ConfigError(f"GSM8K data is not cached and the Hugging Face hub is unreachable: {HOW_TO_SUPPLY}")
+    if hub_reachable():
+        return []
+    return [f"GSM8K data is not cached and the Hugging Face hub is unreachable: {HOW_TO_SUPPLY}"]
 
 
 class GSM8KConfig(BaseEnvConfig):
@@ -140,4 +137,4 @@ class GSM8KEnv(BaseEnv):
 
 
 if __name__ == "__main__":
-    run_cli(GSM8KEnv)
+    run_cli(GSM8KEnv, preflight)

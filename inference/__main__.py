@@ -1,39 +1,66 @@
 """`python -m inference`: start vLLM (runtime LoRA loading on), wait for a real completion, serve the gateway.
 
-    python -m inference --config configs/tiny_cpu.yaml inference.port=9000 [--log-dir DIR] [--port-file F]
+    python -m inference --config RUN_DIR/gateway.yaml [key=value ...] [--log-dir DIR] [--port-file F] [--fd N]
 
-Reads the `inference:` section of a run config (YAML + dotted overrides). Exits non-zero if vLLM cannot be
-started or keeps dying; SIGTERM/SIGINT stop vLLM too.
+Reads the gateway's own config file (the `inference:` section the launcher completes and writes; dotted
+overrides such as `max_staleness=2` on top). The listening socket is bound here (host:port, port 0 = any free
+one, reported through --port-file) or inherited from the launcher (--fd), so no port is ever chosen by one
+process and bound by another. Exits non-zero if vLLM cannot be started or keeps dying; SIGTERM/SIGINT stop
+vLLM too.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import socket
 import sys
 from pathlib import Path
 
 import uvicorn
 
 from inference.app import SamplingBackend, create_app
-from inference.config import GatewayConfig
+from inference.config import GatewayConfig, GatewayConfigError, load_gateway_config
 from inference.policy import Policy, PolicyRegistry
 from inference.replicas import ReplicaSet
-from inference.vllm_backend import VLLMBackend, free_port
-from trainer.config import ConfigError, RunConfig, load_config
+from inference.vllm_backend import VLLMBackend, build_vllm_command, free_port
 
 
-def resolve_model(path: str) -> tuple[str, int]:
-    """Local path of the base model and its vocabulary size (rows of the embedding)."""
+def resolve_model(path: str | None) -> tuple[str, int]:
+    """The base model's folder and its vocabulary size (rows of the embedding)."""
     from transformers import AutoConfig
 
-    if path == "tiny":
-        from trainer.tiny_model import ensure_tiny_model
-
-        path = str(ensure_tiny_model())
+    if not path or not Path(path).is_dir():
+        raise GatewayConfigError(f"inference.model={path!r} is not a model folder: the gateway serves a local "
+                                 "folder (launch.sh resolves model.path, the tiny model included, to one)")
     cfg = AutoConfig.from_pretrained(path)
     return path, int(cfg.get_text_config().vocab_size)
+
+
+def listening_socket(cfg: GatewayConfig, fd: int | None) -> socket.socket:
+    """The gateway's socket: inherited from the launcher, or bound here (port 0 = a free one)."""
+    if fd is not None:
+        return socket.socket(fileno=fd)
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.port))
+    sock.listen(2048)
+    return sock
+
+
+def build_tinker_sampler(cfg: GatewayConfig) -> tuple[SamplingBackend, int]:
+    from transformers import AutoTokenizer
+
+    from inference.tinker_backend import TinkerSamplingBackend, service_factory
+
+    assert cfg.tinker is not None  # GatewayConfig requires it for sampler=tinker
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tinker.tokenizer)
+    backend = TinkerSamplingBackend(cfg, cfg.tinker.base_model, tokenizer, service_factory(cfg.tinker),
+                                    cfg.tinker.timeout_s)
+    return backend, len(tokenizer)
 
 
 def build_vllm_replicas(cfg: GatewayConfig, model_path: str, log_dir: Path,
@@ -55,28 +82,19 @@ def build_vllm_replicas(cfg: GatewayConfig, model_path: str, log_dir: Path,
 
 
 async def serve(args: argparse.Namespace) -> int:
-    run_cfg = load_config(RunConfig, args.config, args.overrides)
-    cfg = run_cfg.inference
-    assert cfg.model is not None  # RunConfig fills it from model.path
-    model_path, vocab_size = (cfg.model, 0) if run_cfg.launch.backend == "tinker" else resolve_model(cfg.model)
+    cfg = load_gateway_config(args.config, args.overrides)
     registry = PolicyRegistry(cfg.served_model_name, cfg.max_staleness)
     log_dir = Path(args.log_dir)
     backend: SamplingBackend
-    if run_cfg.launch.backend == "tinker":
-        from transformers import AutoTokenizer
-
-        from inference.tinker_backend import TinkerSamplingBackend
-        from trainer.tinker_backend import build_service_client
-
-        tokenizer = AutoTokenizer.from_pretrained(run_cfg.tinker.tokenizer or model_path)
-        vocab_size = len(tokenizer)
-        backend = TinkerSamplingBackend(cfg, run_cfg.model.path, tokenizer, lambda: build_service_client(run_cfg),
-                                        run_cfg.tinker.timeout_s)
+    if cfg.sampler == "tinker":
+        backend, vocab_size = build_tinker_sampler(cfg)
     else:
+        model_path, vocab_size = resolve_model(cfg.model)
         backend = build_vllm_replicas(cfg, model_path, log_dir, registry)
     app = create_app(cfg, backend, registry, vocab_size)
-    port = cfg.port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=port, log_level="warning"))
+    sock = listening_socket(cfg, args.fd)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
 
     async def watch() -> None:
         while not server.should_exit:
@@ -86,27 +104,42 @@ async def serve(args: argparse.Namespace) -> int:
             await asyncio.sleep(0.5)
 
     watcher = asyncio.create_task(watch())
-    if args.port_file:
-        Path(args.port_file).write_text(str(port))
+    if args.port_file:  # atomically: a reader never sees a partial number
+        tmp = Path(f"{args.port_file}.tmp")
+        tmp.write_text(str(port))
+        tmp.replace(args.port_file)
     logging.info("gateway on http://%s:%d, sampler %s (logs in %s)", cfg.host, port, backend.url, log_dir)
-    await server.serve()
+    await server.serve(sockets=[sock])
     watcher.cancel()
     return 1 if backend.state == "failed" else 0
+
+
+def print_vllm_command(args: argparse.Namespace) -> int:
+    cfg = load_gateway_config(args.config, args.overrides)
+    model_path, _ = resolve_model(cfg.model)
+    argv, env = build_vllm_command(cfg, model_path, free_port())
+    print(json.dumps({"argv": argv, "env": env}))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m inference", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="run config YAML (its inference: section is used)")
+    p.add_argument("--config", help="the gateway's YAML (RUN_DIR/gateway.yaml: the completed inference: section)")
     p.add_argument("--log-dir", default="logs", help="where vllm.log goes")
     p.add_argument("--port-file", help="write the gateway's port here once bound")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. inference.max_staleness=2")
+    p.add_argument("--fd", type=int, help="serve on this inherited, already listening socket")
+    p.add_argument("--vllm-command", action="store_true",
+                   help="print the vLLM command this config starts (JSON: argv, env) and exit (benchmarks)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. max_staleness=2 or vllm.dtype=float32")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
+        if args.vllm_command:
+            return print_vllm_command(args)
         return asyncio.run(serve(args))
-    except ConfigError as exc:
+    except (GatewayConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from inference.config import GatewayConfig
 from inference.policy import Policy, PolicyRegistry, VersionLedger, lora_name
-from inference.vllm_backend import BackendError
+from inference.errors import BackendError
 from inference.wire import (
     LookupRequest,
     LookupResponse,

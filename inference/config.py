@@ -1,8 +1,19 @@
-"""The gateway's configuration section (`inference:` in a run config). Pure pydantic: no I/O."""
+"""The gateway's configuration: the `inference:` section of a run config, which the launcher completes (model
+folder, sampler) and writes to RUN_DIR/gateway.yaml for `python -m inference`. Pure pydantic apart from `main`,
+which validates a file and prints it with every default filled in (the launcher's check before anything starts).
+
+    python -m inference.config FILE|- [key=value ...]   # prints the validated section as JSON, exit 2 on errors
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 LORA_RANK_CEILINGS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM accepts these for --max-lora-rank
@@ -51,10 +62,25 @@ class VLLMConfig(BaseModel):
         return value
 
 
+class TinkerSamplerConfig(BaseModel):
+    """Set by the launcher when the run samples through Tinker (launch.backend=tinker)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_model: str = Field(description="the base model name Tinker serves")
+    tokenizer: str = Field(description="tokenizer folder (or hub id) for the OpenAI routes")
+    timeout_s: float = Field(60.0, gt=0, description="deadline for any single Tinker call, seconds")
+    client_factory: str | None = Field(
+        None, description="'module:function' returning a ServiceClient-like object; None = tinker's own")
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(None, description="base model (hub id, folder, 'tiny'); None = the run's model.path")
+    model: str | None = Field(None, description="base model folder vLLM serves; None = the run's model (the "
+                                                "launcher fills it with the local folder)")
+    sampler: Literal["vllm", "tinker"] = Field("vllm", description="set by the launcher from launch.backend")
+    tinker: TinkerSamplerConfig | None = Field(None, description="set by the launcher for sampler=tinker")
     served_model_name: str = Field("policy", description="name of the base model (policy version 0) inside vLLM")
     host: str = Field("127.0.0.1", description="bind address of the gateway")
     port: int = Field(0, ge=0, lt=65536, description="gateway port; 0 = pick a free one")
@@ -71,9 +97,69 @@ class GatewayConfig(BaseModel):
                 f"inference.host={self.host!r} exposes the gateway beyond this machine: set inference.publish_token "
                 "so that only the trainer can publish policies"
             )
+        if self.sampler == "tinker" and self.tinker is None:
+            raise ValueError("inference.sampler=tinker needs the inference.tinker section (the launcher writes it)")
         return self
 
     @property
     def max_loras(self) -> int:
         # The window (max_staleness + 1 versions) plus the version being published before the oldest is unloaded.
         return self.max_staleness + 2
+
+
+class GatewayConfigError(ValueError):
+    """The gateway's config is wrong; the message names each key, the value seen and the limit. Never echoes
+    the publish token."""
+
+
+def load_gateway_config(path: str | Path | None, overrides: list[str] | None = None) -> GatewayConfig:
+    """Read a gateway YAML (the section itself, not a whole run config), apply dotted overrides
+    (`max_staleness=2` or `vllm.dtype=float32`), validate."""
+    if path is None:
+        data: Any = {}
+    else:
+        data = yaml.safe_load(sys.stdin.read() if str(path) == "-" else Path(path).read_text())
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise GatewayConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    for text in overrides or []:
+        key, sep, raw = text.partition("=")
+        if not sep:
+            raise GatewayConfigError(f"override {text!r} is not key=value (e.g. max_staleness=2)")
+        *parents, leaf = key.strip().removeprefix("inference.").split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise GatewayConfigError(f"override {text!r}: {part!r} is a value, not a section")
+        node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            seen = "<hidden>" if "publish_token" in key else repr(err.get("input"))
+            if not key:  # a model-level error: its input is the whole section (token included), never print it
+                key, seen = "<section>", "see message"
+            lines.append(f"  inference.{key}: {err['msg']} (got {seen})")
+        raise GatewayConfigError(f"invalid gateway config{f' in {path}' if path else ''}:\n" + "\n".join(lines)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    try:
+        cfg = load_gateway_config(args[0], args[1:])
+    except (GatewayConfigError, OSError, yaml.YAMLError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(json.dumps(cfg.model_dump(mode="json")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

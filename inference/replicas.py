@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from inference.policy import Policy
-from inference.vllm_backend import BackendError, VLLMBackend
+from inference.errors import BackendError
+from inference.vllm_backend import VLLMBackend
 from inference.wire import Sample, SamplingRequest
 
 log = logging.getLogger("inference.replicas")

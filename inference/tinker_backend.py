@@ -8,14 +8,15 @@ OpenAI routes are translated here (tokenize, sample, detokenize) since Tinker sa
 from __future__ import annotations
 
 import asyncio
+import importlib
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from inference.config import GatewayConfig
+from inference.config import GatewayConfig, GatewayConfigError, TinkerSamplerConfig
 from inference.policy import Policy
-from inference.vllm_backend import BackendError
+from inference.errors import BackendError
 from inference.wire import Sample, SamplingRequest
 
 SUPPORTED_KEYS = frozenset({"temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed"})
@@ -38,6 +39,18 @@ def build_sampling_params(tinker: Any, max_tokens: int, sampling: dict[str, Any]
     elif stop_ids:
         kwargs["stop"] = [int(t) for t in stop_ids]
     return tinker.SamplingParams(**kwargs)
+
+
+def service_factory(cfg: TinkerSamplerConfig) -> Callable[[], Any]:
+    """What makes the ServiceClient: `client_factory` ('module:function', for proxies and tests) or tinker's own,
+    which reads TINKER_API_KEY (launch.sh checked it before starting anything)."""
+    if cfg.client_factory:
+        module, _, attr = cfg.client_factory.partition(":")
+        if not attr:
+            raise GatewayConfigError(f"inference.tinker.client_factory={cfg.client_factory!r} must look like "
+                                     "'package.module:function'")
+        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+    return lambda: importlib.import_module("tinker").ServiceClient()
 
 
 class TinkerSamplingBackend:

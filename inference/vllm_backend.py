@@ -24,19 +24,11 @@ from typing import Any
 import httpx
 
 from inference.config import GatewayConfig
+from inference.errors import BackendError
 from inference.policy import Policy
 from inference.wire import Sample, SamplingRequest
 
 log = logging.getLogger("inference.vllm")
-
-
-class BackendError(Exception):
-    """A request failed; `status` is the HTTP status the gateway should answer with."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 def build_vllm_command(cfg: GatewayConfig, model_path: str, port: int,
@@ -91,9 +83,14 @@ def _group_alive(pgid: int) -> bool:
 
 
 def free_port() -> int:
+    """A port free now on 127.0.0.1, for vLLM (which binds it itself and cannot report one it chose). Another
+    process may take it before vLLM binds: VLLMBackend.start then retries on a new port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+PORT_ATTEMPTS = 3  # vLLM starts on a fresh port when the one chosen was taken before it bound it
 
 
 def parse_completion_choices(body: dict[str, Any]) -> list[Sample]:
@@ -139,8 +136,10 @@ class VLLMBackend:
         self.loaded: set[str] = set()  # LoRA names this vLLM process holds now
         # Alone, a request cut by a crash waits for the restart; in a replica set it fails over at once instead.
         self.wait_on_crash = wait_on_crash
-        self.port = port or cfg.vllm.port or free_port()
+        self.pinned_port = port or cfg.vllm.port or None
+        self.port = self.pinned_port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self._log_offset = 0  # where this process's part of the log starts
         self.state = "stopped"  # starting | ready | restarting | failed | stopped
         self.restarts = 0
         self.max_model_len: int | None = None
@@ -166,6 +165,7 @@ class VLLMBackend:
         argv, extra_env = build_vllm_command(self.cfg, self.model_path, self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as logf:
+            self._log_offset = logf.tell()
             logf.write(f"\n=== starting vLLM: {' '.join(argv)}\n".encode())
             self.loaded = set()
             self.proc = subprocess.Popen(argv, env={**os.environ, **extra_env, **self.extra_env}, stdout=logf,
@@ -194,11 +194,33 @@ class VLLMBackend:
         self.max_model_len = next((m.get("max_model_len") for m in models if m["id"] == self.cfg.served_model_name),
                                   None)
 
+    def _lost_port_race(self) -> bool:
+        """Did the vLLM that just exited fail because its (unpinned) port was taken? Then use another one."""
+        if self.pinned_port is not None:
+            return False
+        with self.log_path.open("rb") as logf:
+            logf.seek(self._log_offset)
+            taken = b"address already in use" in logf.read().lower()
+        if taken:
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self._client.base_url = httpx.URL(self.url)
+            log.warning("vLLM's port was taken before it bound it; starting again on %d", self.port)
+        return taken
+
     async def start(self) -> None:
         self.state = "starting"
-        self._spawn()
         try:
-            await self._wait_until_completes()
+            for attempt in range(PORT_ATTEMPTS):
+                self._spawn()
+                try:
+                    await self._wait_until_completes()
+                    break
+                except BackendError:
+                    if attempt + 1 == PORT_ATTEMPTS or self.proc is None or self.proc.poll() is None \
+                            or not self._lost_port_race():
+                        raise
+                    await asyncio.to_thread(self._kill)
         except BackendError:
             self.state = "failed"
             await asyncio.to_thread(self._kill)

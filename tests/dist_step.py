@@ -16,12 +16,13 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.backend import AdamParams  # noqa: E402
-from trainer.batch import IntakeOptions, convert_batch  # noqa: E402
-from trainer.config import RunConfig  # noqa: E402
-from trainer.distributed import RankZeroBackend, follow, rank_info  # noqa: E402
-from trainer.local_backend import LocalBackend  # noqa: E402
-from trainer.losses import LossParams  # noqa: E402
+from trainer.backends.base import AdamParams  # noqa: E402
+from trainer.training.batch import IntakeOptions, convert_batch  # noqa: E402
+from trainer.training.config import RunConfig  # noqa: E402
+from trainer.backends.collectives import rank_info  # noqa: E402
+from trainer.backends.data_parallel import RankZeroBackend, follow  # noqa: E402
+from trainer.backends.local import LocalBackend  # noqa: E402
+from trainer.training.losses import LossParams  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "runapi_batch.json"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]

@@ -21,10 +21,10 @@ import torch
 from tinker import types
 from tinker.lib.public_interfaces import AwaitableConcurrentFuture
 
-from trainer.backend import AdamParams
-from trainer.batch import TrainingExample
-from trainer.config import RunConfig
-from trainer.losses import LossParams
+from trainer.backends.base import AdamParams
+from trainer.training.batch import TrainingExample
+from trainer.training.config import RunConfig
+from trainer.training.losses import LossParams
 
 PREFIX = "tinker://fake"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -50,7 +50,7 @@ def to_folder(tinker_path: str) -> Path:
 
 class FakeTrainingClient(tinker.TrainingClient):
     def __init__(self, base_model: str, rank: int, seed: int | None = None, state: str | None = None):
-        from trainer.local_backend import LocalBackend
+        from trainer.backends.local import LocalBackend
 
         self.model_id = f"fake:{uuid.uuid4().hex[:8]}"
         self.run_dir = root() / self.model_id.replace(":", "-")
@@ -112,7 +112,7 @@ class FakeSamplingClient(tinker.SamplingClient):
     def __init__(self, base_model: str, adapter: Path | None):
         from transformers import AutoModelForCausalLM
 
-        from trainer.local_backend import resolve_model_path
+        from trainer.backends.local import resolve_model_path
 
         self._base_model = base_model
         model = AutoModelForCausalLM.from_pretrained(resolve_model_path(base_model), dtype=torch.float32)

@@ -143,7 +143,7 @@ if __name__ == "__main__":
     # Regenerate the committed fixture: python -m tests.helpers
     import tempfile
 
-    from trainer.tiny_model import ensure_tiny_model
+    from trainer.backends.tiny_model import ensure_tiny_model
 
     with tempfile.TemporaryDirectory() as d, run_api(Path(d)) as url:
         body = roundtrip_through_run_api(url, build_scored_groups(ensure_tiny_model()))

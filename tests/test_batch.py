@@ -9,7 +9,7 @@ import math
 import pytest
 
 from tests.helpers import FIXTURE, build_scored_groups, roundtrip_through_run_api, run_api
-from trainer.batch import (
+from trainer.training.batch import (
     IntakeOptions,
     ScoredDataGroup,
     compute_group_advantages,

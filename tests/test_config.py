@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ConfigError, RunConfig, load_config
+from trainer.training.config import ConfigError, RunConfig, load_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from trainer.config import ConfigError, RunConfig, load_config
-from trainer.distributed import shard_indices
+from trainer.training.config import ConfigError, RunConfig, load_config
+from trainer.backends.collectives import shard_indices
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,7 +77,7 @@ def test_two_gloo_ranks_make_the_same_update_as_one(tmp_path, micro_batch_tokens
 
 
 def test_backend_flag_goes_through_the_same_validation(capsys):
-    from trainer.launcher import main
+    from trainer.orchestration.launcher import main
 
     assert main(["toy", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--backend", "tinker",
                  "distributed.nproc_per_node=2", "--dry-run"]) == 2
@@ -85,7 +85,7 @@ def test_backend_flag_goes_through_the_same_validation(capsys):
 
 
 def test_a_trainer_across_nodes_outside_slurm_is_refused(capsys):
-    from trainer.launcher import main
+    from trainer.orchestration.launcher import main
 
     assert main(["toy", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "distributed.nnodes=2",
                  "--dry-run"]) == 2

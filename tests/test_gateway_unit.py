@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from inference.app import create_app
-from inference.config import GatewayConfig
+from inference.config import GatewayConfig, GatewayConfigError, load_gateway_config
 from inference.policy import Policy, PolicyRegistry, VersionLedger
 from inference.vllm_backend import (
     BackendError,
@@ -21,7 +21,8 @@ from inference.vllm_backend import (
     parse_completion_choices,
 )
 from inference.wire import Sample, SamplingRequest
-from trainer.config import ConfigError, RunConfig, load_config
+from trainer.orchestration.launcher import gateway_section
+from trainer.training.config import ConfigError, RunConfig, load_config
 
 
 def test_vllm_command_line():
@@ -43,10 +44,29 @@ def test_config_rules():
     with pytest.raises(ValueError, match="publish_token"):
         GatewayConfig(host="0.0.0.0")
     assert GatewayConfig(host="0.0.0.0", publish_token="s").host == "0.0.0.0"
-    cfg = load_config(RunConfig, None, ["model.path=some/model"])
-    assert cfg.inference.model == "some/model"
-    with pytest.raises(ConfigError, match=r"inference\.vllm\.max_lora_rank"):
-        load_config(RunConfig, None, ["inference.vllm.max_lora_rank=7"])
+    # The launcher completes the run's section and has the gateway's own model validate it.
+    cfg = load_config(RunConfig, None, ["model.path=/some/model", "rollout.max_staleness=2"])
+    section = gateway_section(cfg, "/some/model")
+    assert section["model"] == "/some/model" and section["max_staleness"] == 2 and section["sampler"] == "vllm"
+    assert GatewayConfig(**section).max_loras == 4
+    bad = load_config(RunConfig, None, ["inference.vllm.max_lora_rank=7"])
+    with pytest.raises(ConfigError, match=r"inference\.vllm\.max_lora_rank: .*got 7"):
+        gateway_section(bad, "/m")
+    with pytest.raises(ConfigError, match="below rollout.max_staleness"):
+        load_config(RunConfig, None, ["inference.max_staleness=0", "rollout.max_staleness=1"])
+
+
+def test_config_errors_never_print_the_publish_token():
+    secret = "s3cret-token-value-xyz"
+    with pytest.raises(GatewayConfigError) as err:
+        load_gateway_config(None, ["host=0.0.0.0", f"publish_token={secret}", "vllm.max_lora_rank=7"])
+    with pytest.raises(GatewayConfigError) as err2:
+        load_gateway_config(None, ["host=10.0.0.1", f"publish_token={secret}", "ledger_size=0"])
+    with pytest.raises(ConfigError) as err3:
+        load_config(RunConfig, None, [f"inference.publish_token={secret}", "rollout.max_staleness=2",
+                                      "inference.max_staleness=1"])
+    for e in (err, err2, err3):
+        assert secret not in str(e.value)
 
 
 def test_parse_completion_choices_orders_and_parses_ids():

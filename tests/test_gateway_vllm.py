@@ -15,10 +15,11 @@ import httpx
 import pytest
 import torch
 
-from inference.client import GatewayClient, spawn_gateway
+from trainer.orchestration.gateway_process import spawn_gateway
+from trainer.training.gateway_client import GatewayClient
 from tests.helpers import FIXTURE, group_alive
-from trainer.batch import IntakeOptions, convert_batch
-from trainer.losses import LossParams
+from trainer.training.batch import IntakeOptions, convert_batch
+from trainer.training.losses import LossParams
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
@@ -29,8 +30,8 @@ ROOT = Path(__file__).parent.parent
 def adapters(tmp_path_factory, tiny_model_path) -> dict[int, str]:
     """Versions 1..6 of a LoRA trained on the fixture batch (each a few IS steps further), plus 'big' (rank 16)."""
     from tests.test_local_backend import make_cfg
-    from trainer.backend import AdamParams
-    from trainer.local_backend import LocalBackend
+    from trainer.backends.base import AdamParams
+    from trainer.backends.local import LocalBackend
 
     root = tmp_path_factory.mktemp("adapters")
     examples = convert_batch(json.loads(FIXTURE.read_text())["batch"], IntakeOptions(2048, 64)).examples

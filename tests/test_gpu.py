@@ -9,16 +9,16 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import FIXTURE
-from trainer.backend import AdamParams
-from trainer.batch import IntakeOptions, convert_batch
-from trainer.losses import LossParams
+from trainer.backends.base import AdamParams
+from trainer.training.batch import IntakeOptions, convert_batch
+from trainer.training.losses import LossParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_bf16_backend_trains_and_saves_bf16_adapter(tmp_path):
     from tests.test_local_backend import lora_state, make_cfg
-    from trainer.local_backend import LocalBackend
+    from trainer.backends.local import LocalBackend
 
     examples = convert_batch(json.loads(FIXTURE.read_text())["batch"], IntakeOptions(2048, 64)).examples
     backend = LocalBackend(make_cfg(tmp_path, model__device="cuda"))

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from tests.helpers import FIXTURE
-from trainer.backend import AdamParams
-from trainer.batch import IntakeOptions, TrainingExample, convert_batch
-from trainer.config import RunConfig
-from trainer.local_backend import LocalBackend
-from trainer.logprobs import compute_token_logprobs
-from trainer.losses import LossParams
-from trainer.schedule import build_adam_params
+from trainer.backends.base import AdamParams
+from trainer.training.batch import IntakeOptions, TrainingExample, convert_batch
+from trainer.training.config import RunConfig
+from trainer.backends.local import LocalBackend
+from trainer.training.logprobs import compute_token_logprobs
+from trainer.training.losses import LossParams
+from trainer.training.schedule import build_adam_params
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 

@@ -9,9 +9,10 @@ import pytest
 
 from environments.gsm8k import extract_gold, score_completion
 from environments.toy import compute_target_ids, compute_toy_reward
-from trainer.config import ConfigError, RunConfig, load_config
-from trainer.launcher import build_components, env_command, progress_line
-from trainer.loop import _truncate_metrics, split_by_staleness
+from trainer.training.config import ConfigError, RunConfig, load_config
+from trainer.orchestration.commands import build_components, env_command
+from trainer.orchestration.launcher import progress_line
+from trainer.training.loop import _truncate_metrics, split_by_staleness
 
 ROOT = Path(__file__).parent.parent
 
@@ -92,7 +93,7 @@ def test_gsm8k_grading():
 
 
 def test_summary_idle_share_and_rewards():
-    from trainer.summary import summarize
+    from trainer.orchestration.summary import summarize
 
     rows = [{"step": i, "policy_version": i, "reward/mean": r, "loss": 0.1, "time/step_s": 2.0,
              "time/wait_for_batch_s": 0.5, "time/train_s": 1.4, "time/publish_s": 0.1, "policy/staleness_mean": 1.0,
@@ -104,7 +105,7 @@ def test_summary_idle_share_and_rewards():
 
 
 def test_resume_sets_newer_adapters_aside(tmp_path):
-    from trainer.loop import _set_aside_newer_adapters
+    from trainer.training.loop import _set_aside_newer_adapters
 
     for v in (1, 2, 3, 4):
         (tmp_path / f"v{v:06d}").mkdir()
@@ -115,7 +116,7 @@ def test_resume_sets_newer_adapters_aside(tmp_path):
 
 
 def test_metrics_writer_with_wandb_offline(tmp_path, monkeypatch):
-    from trainer.loop import MetricsWriter
+    from trainer.training.loop import MetricsWriter
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -131,7 +132,7 @@ def test_resume_takes_overrides_after_the_run_folder(tmp_path, capsys):
     """`launch.sh --resume RUN_DIR rollout.num_steps=50`: argparse would hand the override to the env positional."""
     import yaml
 
-    from trainer.launcher import main
+    from trainer.orchestration.launcher import main
 
     cfg = load_config(RunConfig, Path(__file__).parent.parent / "configs" / "tiny_cpu.yaml",
                       [f"trainer.output_dir={tmp_path}"])

@@ -1,4 +1,4 @@
-"""trainer.losses against a float64 per-token reference written here, plus invariances and edge cases."""
+"""trainer.training.losses against a float64 per-token reference written here, plus invariances and edge cases."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.losses import (
+from trainer.training.losses import (
     LossInputs,
     LossParams,
     compute_loss,

@@ -11,10 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inference.client import GatewayClient, spawn_gateway
+from trainer.orchestration.gateway_process import spawn_gateway
+from trainer.training.gateway_client import GatewayClient
 from tests.helpers import FIXTURE, group_alive
-from trainer.batch import IntakeOptions, convert_batch
-from trainer.losses import LossParams
+from trainer.training.batch import IntakeOptions, convert_batch
+from trainer.training.losses import LossParams
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
@@ -31,8 +32,8 @@ def generate(url: str) -> httpx.Response:
 
 def test_two_replicas_publish_failover_and_catch_up(tmp_path):
     from tests.test_local_backend import make_cfg
-    from trainer.backend import AdamParams
-    from trainer.local_backend import LocalBackend
+    from trainer.backends.base import AdamParams
+    from trainer.backends.local import LocalBackend
 
     examples = convert_batch(json.loads(FIXTURE.read_text())["batch"], IntakeOptions(2048, 64)).examples
     trainer = LocalBackend(make_cfg(tmp_path / "train"))

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import OptimConfig
-from trainer.schedule import build_adam_params, compute_lr
+from trainer.training.config import OptimConfig
+from trainer.training.schedule import build_adam_params, compute_lr
 
 
 def test_warmup_then_constant():

@@ -86,7 +86,7 @@ def test_scancel_mid_run_stops_every_step_and_leaves_a_checkpoint(tmp_path):
 
 def test_dry_run_prints_a_multi_node_placement():
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.launcher", "toy", "--config", "configs/tiny_cpu.yaml", "--dry-run",
+        [sys.executable, "-m", "trainer.orchestration.launcher", "toy", "--config", "configs/tiny_cpu.yaml", "--dry-run",
          "--slurm-nodes", "gpu[01-03]", "distributed.nnodes=2", "distributed.nproc_per_node=4",
          "rollout.env_workers=2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -105,7 +105,7 @@ def test_dry_run_prints_a_multi_node_placement():
 
 def test_placement_errors_name_the_fix():
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.launcher", "toy", "--config", "configs/tiny_cpu.yaml", "--dry-run",
+        [sys.executable, "-m", "trainer.orchestration.launcher", "toy", "--config", "configs/tiny_cpu.yaml", "--dry-run",
          "--slurm-nodes", "n[1-2]", "distributed.nnodes=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "distributed.nnodes=3 but the job has 2 node(s)" in proc.stderr
     assert "--nodes=3" in proc.stderr
@@ -113,9 +113,9 @@ def test_placement_errors_name_the_fix():
 
 def test_slurm_placement_binds_all_interfaces_with_a_publish_token_and_derived_ports():
     from inference.config import GatewayConfig
-    from trainer.config import RunConfig, load_config
-    from trainer.launcher import place_on_slurm
-    from trainer.slurm import SlurmJob, derive_ports
+    from trainer.training.config import RunConfig, load_config
+    from trainer.orchestration.launcher import place_on_slurm
+    from trainer.orchestration.slurm import SlurmJob, derive_ports
 
     cfg = load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml", ["rollout.env_workers=3"])
     placement = place_on_slurm(cfg, SlurmJob(123457, ["a1", "a2"]))
@@ -130,8 +130,8 @@ def test_slurm_placement_binds_all_interfaces_with_a_publish_token_and_derived_p
 
 
 def test_nodelist_parsing_matches_scontrol_forms():
-    from trainer.config import ConfigError
-    from trainer.slurm import parse_nodelist
+    from trainer.training.config import ConfigError
+    from trainer.orchestration.slurm import parse_nodelist
 
     assert parse_nodelist("gpu[01-03,7],cpu1") == ["gpu01", "gpu02", "gpu03", "gpu7", "cpu1"]  # as scontrol prints
     assert parse_nodelist("n[1-2]-ib[0-1]") == ["n1-ib0", "n1-ib1", "n2-ib0", "n2-ib1"]

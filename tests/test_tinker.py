@@ -19,15 +19,16 @@ import torch
 tinker = pytest.importorskip("tinker", reason="the tinker extra is not installed")
 
 from inference.app import create_app  # noqa: E402
+from inference.config import GatewayConfig  # noqa: E402
 from inference.policy import PolicyRegistry  # noqa: E402
 from inference.tinker_backend import TinkerSamplingBackend  # noqa: E402
 from tests.fake_tinker import make_service_client  # noqa: E402
 from tests.helpers import FIXTURE  # noqa: E402
-from trainer.backend import AdamParams  # noqa: E402
-from trainer.batch import IntakeOptions, convert_batch  # noqa: E402
-from trainer.config import ConfigError, RunConfig, load_config  # noqa: E402
-from trainer.losses import LossParams  # noqa: E402
-from trainer.tinker_backend import TinkerBackend, wait  # noqa: E402
+from trainer.backends.base import AdamParams  # noqa: E402
+from trainer.training.batch import IntakeOptions, convert_batch  # noqa: E402
+from trainer.training.config import ConfigError, RunConfig, load_config  # noqa: E402
+from trainer.training.losses import LossParams  # noqa: E402
+from trainer.backends.tinker import TinkerBackend, wait  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 FACTORY = "tinker.client_factory=tests.fake_tinker:make_service_client"
@@ -56,7 +57,7 @@ def test_tinker_path_gives_the_local_loss_and_gradients(fake_root, examples, tok
     """Tinker only sums; reductions ride on scaled advantages/weights. Same loss, same gradients."""
     from transformers import AutoTokenizer
 
-    from trainer.local_backend import LocalBackend
+    from trainer.backends.local import LocalBackend
 
     remote = TinkerBackend(tiny_cfg(fake_root, FACTORY), tokenizer=AutoTokenizer.from_pretrained(tokenizer_path))
     local = LocalBackend(load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml",
@@ -134,13 +135,14 @@ def tokenizer_path(tiny_model_path):
 async def test_gateway_serves_from_tinker_sampling_clients(fake_root, tokenizer_path):
     from transformers import AutoTokenizer
 
-    from trainer.local_backend import LocalBackend
+    from trainer.backends.local import LocalBackend
 
     cfg = tiny_cfg(fake_root, FACTORY)
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    backend = TinkerSamplingBackend(cfg.inference, "tiny", tok, make_service_client, timeout_s=60)
-    registry = PolicyRegistry(cfg.inference.served_model_name, 2)
-    app = create_app(cfg.inference, backend, registry, vocab_size=len(tok), start_backend=False)
+    gateway_cfg = GatewayConfig.model_validate(cfg.inference)
+    backend = TinkerSamplingBackend(gateway_cfg, "tiny", tok, make_service_client, timeout_s=60)
+    registry = PolicyRegistry(gateway_cfg.served_model_name, 2)
+    app = create_app(gateway_cfg, backend, registry, vocab_size=len(tok), start_backend=False)
     await backend.start()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=120) as c:
         assert (await c.get("/health")).status_code == 200
@@ -182,12 +184,12 @@ class Block:
             raise ImportError("tinker is not installed")
 sys.meta_path.insert(0, Block())
 import json
-from trainer.config import RunConfig, load_config
-from trainer.loop import build_training_backend
-import inference.app, inference.__main__, trainer.launcher, trainer.report
-from trainer.batch import convert_batch, IntakeOptions
-from trainer.losses import LossParams
-from trainer.backend import AdamParams
+from trainer.training.config import RunConfig, load_config
+from trainer.training.loop import build_training_backend
+import inference.app, inference.__main__, trainer.orchestration.launcher, trainer.orchestration.report
+from trainer.training.batch import convert_batch, IntakeOptions
+from trainer.training.losses import LossParams
+from trainer.backends.base import AdamParams
 cfg = load_config(RunConfig, {str(ROOT / 'configs' / 'tiny_cpu.yaml')!r}, ["trainer.output_dir={tmp_path}"])
 backend = build_training_backend(cfg)
 ex = convert_batch(json.load(open({str(FIXTURE)!r}))["batch"], IntakeOptions(2048, 64)).examples
@@ -214,7 +216,7 @@ def make_run(folder: Path, backend: str, rewards: list[float]) -> Path:
 
 
 def test_report_compares_runs(tmp_path):
-    from trainer.report import main
+    from trainer.orchestration.report import main
 
     a = make_run(tmp_path / "local-run", "local", [0.1, 0.5, 0.9, 1.0])
     b = make_run(tmp_path / "tinker-run", "tinker", [0.1, 0.2, 0.3, 0.85])
@@ -242,7 +244,7 @@ def test_launch_toy_with_the_tinker_backend(fake_root):
     trained = [r for r in rows if r["loss"] is not None]
     assert all(r["importance/logprob_diff_mean"] is not None for r in trained)
     assert json.loads((run_dir / "pids.json").read_text())["vllm"] is None  # no vLLM: Tinker samples
-    assert "python -m trainer.report" in proc.stdout
+    assert "python -m trainer report" in proc.stdout
 
 
 @pytest.mark.skipif(not os.environ.get("TINKER_API_KEY"), reason="live Tinker smoke test needs TINKER_API_KEY")

@@ -8,7 +8,7 @@ import json
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from trainer.tiny_model import VOCAB_SIZE, build_tiny_model
+from trainer.backends.tiny_model import VOCAB_SIZE, build_tiny_model
 
 
 def test_shape_and_tokenizer(tiny_model_path):

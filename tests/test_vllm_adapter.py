@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from tests.helpers import FIXTURE, free_port, stop_process
-from trainer.backend import AdamParams
-from trainer.batch import IntakeOptions, convert_batch
-from trainer.losses import LossParams
+from trainer.backends.base import AdamParams
+from trainer.training.batch import IntakeOptions, convert_batch
+from trainer.training.losses import LossParams
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ def echo_logprobs(url: str, model: str, tokens: list[int]) -> list[float]:
 
 def test_trained_adapter_hot_loads_and_matches_trainer_logprobs(tmp_path, tiny_model_path):
     from tests.test_local_backend import make_cfg
-    from trainer.local_backend import LocalBackend
+    from trainer.backends.local import LocalBackend
 
     examples = convert_batch(json.loads(FIXTURE.read_text())["batch"], IntakeOptions(2048, 64)).examples
     backend = LocalBackend(make_cfg(tmp_path))  # rank 8, the seven projections + lm_head

@@ -1,9 +1,12 @@
-"""`python -m trainer`: the trainer process's command line.
+"""`python -m trainer`: the trainer process's command line, and the tools around a run.
 
     python -m trainer run --config RUN_DIR/config.yaml                   # the training loop (launch.sh runs it)
     python -m trainer config --config configs/gsm8k.yaml optim.lr=2e-5   # print the resolved config (YAML)
     python -m trainer tiny-model [--out DIR] [--seed N]                  # build/cache the offline tiny model
-    python -m trainer.bench ...                                          # throughput benchmark (JSON)
+    python -m trainer summary RUN_DIR [RUN_DIR ...]                      # a run in a few lines
+    python -m trainer report RUN_DIR [RUN_DIR ...] --out DIR             # side-by-side comparison report
+    python -m trainer bench [...]                                        # trainer throughput benchmark (JSON)
+    python -m trainer bench-gateway [...]                                # gateway benchmark (JSON)
 """
 
 from __future__ import annotations
@@ -13,13 +16,28 @@ import sys
 
 import yaml
 
-from trainer.config import ConfigError, RunConfig, load_config
+from trainer.training.config import ConfigError, RunConfig, load_config
+
+
+TOOLS = {  # sub-command -> module whose main(argv) it runs
+    "summary": "trainer.orchestration.summary",
+    "report": "trainer.orchestration.report",
+    "bench": "trainer.orchestration.bench",
+    "bench-gateway": "trainer.orchestration.gateway_bench",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in and args_in[0] in TOOLS:
+        import importlib
+
+        return int(importlib.import_module(TOOLS[args_in[0]]).main(args_in[1:]) or 0)
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    for tool, module in TOOLS.items():
+        sub.add_parser(tool, help=f"see python -m {module} --help", add_help=False)
     cfg_p = sub.add_parser("config", help="validate and print the resolved config")
     cfg_p.add_argument("--config", help="YAML file")
     cfg_p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
@@ -29,12 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     tiny_p = sub.add_parser("tiny-model", help="build the offline tiny model and print its path")
     tiny_p.add_argument("--out", help="folder to write (default: the shared cache)")
     tiny_p.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_in)
 
     if args.command == "run":
         import logging
 
-        from trainer.loop import run
+        from trainer.training.loop import run
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -48,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
         return 0
-    from trainer.tiny_model import build_tiny_model, ensure_tiny_model
+    from trainer.backends.tiny_model import build_tiny_model, ensure_tiny_model
 
     path = build_tiny_model(args.out, args.seed) if args.out else ensure_tiny_model(args.seed)
     print(path)

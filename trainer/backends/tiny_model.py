@@ -126,7 +126,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("TINY_MODEL_CACHE") or Path(__file__).resolve().parent.parent / ".cache"
+    root = os.environ.get("TINY_MODEL_CACHE") or Path(__file__).resolve().parents[2] / ".cache"
     return Path(root)
 
 

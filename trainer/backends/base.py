@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from trainer.batch import TrainingExample
-from trainer.losses import LossParams, Reduction
+from trainer.training.batch import TrainingExample
+from trainer.training.losses import LossParams, Reduction
 
 
 @dataclass(frozen=True)

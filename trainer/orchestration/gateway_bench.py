@@ -1,6 +1,6 @@
 """Gateway benchmark on the tiny model: publish latency versus a vLLM cold restart, and gateway overhead.
 
-    python -m inference.bench [--publishes 20] [--restarts 2] [--rounds 20] [--n 16] [--max-tokens 64]
+    python -m trainer.orchestration.gateway_bench [--publishes 20] [--restarts 2] [--rounds 20] [--n 16] [--max-tokens 64]
 
 - publish latency: adapter folder written (trainer's save_for_sampler returns) -> first /generate answered by
   that version (header X-Policy-Version), p50/p95 over --publishes versions;
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -28,11 +29,11 @@ from typing import Any
 
 import httpx
 
-from inference.client import GatewayClient, spawn_gateway
-from inference.config import GatewayConfig
-from inference.vllm_backend import build_vllm_command, free_port
+from trainer.orchestration.gateway_process import spawn_gateway
+from trainer.orchestration.processes import wait_until
+from trainer.training.gateway_client import GatewayClient
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -42,11 +43,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure_publishes(url: str, count: int, out_dir: Path) -> list[dict[str, float]]:
-    from trainer.backend import AdamParams
-    from trainer.batch import TrainingExample
-    from trainer.config import RunConfig, load_config
-    from trainer.local_backend import LocalBackend
-    from trainer.losses import LossParams
+    from trainer.backends.base import AdamParams
+    from trainer.training.batch import TrainingExample
+    from trainer.training.config import RunConfig, load_config
+    from trainer.backends.local import LocalBackend
+    from trainer.training.losses import LossParams
 
     cfg = load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml", [f"trainer.output_dir={out_dir}"])
     backend = LocalBackend(cfg)
@@ -73,26 +74,34 @@ def measure_publishes(url: str, count: int, out_dir: Path) -> list[dict[str, flo
     return rows
 
 
-def measure_cold_restart(cfg: GatewayConfig, model_path: str, adapter: str, log: Path) -> float:
-    argv, extra_env = build_vllm_command(cfg, model_path, free_port())
-    port = argv[argv.index("--port") + 1]
-    url = f"http://127.0.0.1:{port}"
+def vllm_command(gateway_yaml: Path) -> tuple[list[str], dict[str, str]]:
+    """The exact vLLM command the gateway starts for this config (asked of the gateway's own code)."""
+    out = subprocess.run([sys.executable, "-m", "inference", "--config", str(gateway_yaml), "--vllm-command"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    spec = json.loads(out)
+    return spec["argv"], spec["env"]
+
+
+def measure_cold_restart(gateway_yaml: Path, adapter: str, log: Path) -> float:
+    """Spawn to the first completion under `adapter`: what a trainer that restarts vLLM per update pays."""
+    argv, extra_env = vllm_command(gateway_yaml)
+    url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+    served_name = argv[argv.index("--served-model-name") + 1]
     started = time.perf_counter()
     with log.open("ab") as logf:
         proc = subprocess.Popen(argv, env={**os.environ, **extra_env}, stdout=logf, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
-            while True:
+            def completes() -> bool:
                 if proc.poll() is not None:
                     raise RuntimeError(f"vLLM exited; read {log}")
-                try:
-                    if http.post("/v1/completions", json={"model": cfg.served_model_name, "prompt": [5],
-                                                          "max_tokens": 1}).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
+                with contextlib.suppress(httpx.HTTPError):
+                    body = {"model": served_name, "prompt": [5], "max_tokens": 1}
+                    return http.post("/v1/completions", json=body).status_code == 200
+                return False
+
+            wait_until(completes, 600, "cold vLLM answering", 0.2)
             http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapter}).raise_for_status()
             http.post("/v1/completions", json={"model": "a", "prompt": [5], "max_tokens": 1}).raise_for_status()
         return time.perf_counter() - started
@@ -178,16 +187,12 @@ def main(argv: list[str] | None = None) -> None:
                                                 args.rounds, args.n, args.max_tokens))
         throughput = asyncio.run(measure_throughput(url, args.throughput_requests, args.concurrency, args.n,
                                                     args.max_tokens))
-        from trainer.config import RunConfig, load_config
-        from trainer.tiny_model import ensure_tiny_model
-
-        gcfg = load_config(RunConfig, config).inference
         last_adapter = str(work / "run" / "adapters" / f"v{args.publishes:06d}")
-        restarts = [measure_cold_restart(gcfg, str(ensure_tiny_model()), last_adapter, work / "logs" / "cold.log")
+        restarts = [measure_cold_restart(work / "logs" / "gateway.yaml", last_adapter, work / "logs" / "cold.log")
                     for _ in range(args.restarts)]
     latency = [r["latency_s"] for r in rows]
     result = {
-        "command": " ".join([Path(sys.executable).name, "-m", "inference.bench", *sys.argv[1:]]),
+        "command": " ".join([Path(sys.executable).name, "-m", "trainer.orchestration.gateway_bench", *sys.argv[1:]]),
         "git_sha": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                   cwd=ROOT).stdout.strip(),
         "hardware": {"cpu": platform.machine(), "cores": os.cpu_count()},

@@ -1,7 +1,7 @@
 """Summarise a run folder's metrics.jsonl as JSON: time per step split into wait/train/publish (medians), the
 trainer's idle share (time waiting for a batch over wall time of steps), reward at the start and end, staleness.
 
-    python -m trainer.summary runs/toy-20261121-213950 [more run folders...]
+    python -m trainer.orchestration.summary runs/toy-20261121-213950 [more run folders...]
 """
 
 from __future__ import annotations

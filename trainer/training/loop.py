@@ -19,14 +19,15 @@ from typing import Any
 
 import httpx
 
-from inference.client import GatewayClient
-from trainer.backend import TrainingBackend
-from trainer.batch import IntakeOptions, convert_batch, parse_batch_response
-from trainer.config import RunConfig
-from trainer.distributed import RankZeroBackend, rank_info
-from trainer.schedule import build_adam_params
+from trainer.training.gateway_client import GatewayClient
+from trainer.backends.base import TrainingBackend
+from trainer.training.batch import IntakeOptions, convert_batch, parse_batch_response
+from trainer.training.config import RunConfig
+from trainer.backends.collectives import rank_info
+from trainer.backends.data_parallel import RankZeroBackend
+from trainer.training.schedule import build_adam_params
 
-log = logging.getLogger("trainer.loop")
+log = logging.getLogger("trainer.training.loop")
 LATEST = "latest"  # file in checkpoints/ naming the newest complete checkpoint
 
 
@@ -136,10 +137,10 @@ def sampled_tokens(groups: list[Any]) -> int:
 
 def build_training_backend(cfg: RunConfig) -> TrainingBackend:
     if cfg.launch.backend == "tinker":
-        from trainer.tinker_backend import TinkerBackend  # the local path never imports tinker
+        from trainer.backends.tinker import TinkerBackend  # the local path never imports tinker
 
         return TinkerBackend(cfg)
-    from trainer.local_backend import LocalBackend
+    from trainer.backends.local import LocalBackend
 
     local = LocalBackend(cfg)
     return RankZeroBackend(local) if local.ranks.world_size > 1 else local
@@ -147,8 +148,8 @@ def build_training_backend(cfg: RunConfig) -> TrainingBackend:
 
 def follow_rank_zero(cfg: RunConfig) -> None:
     """Ranks > 0 of a data-parallel trainer: no I/O, only the collective calls rank 0 makes."""
-    from trainer.distributed import follow
-    from trainer.local_backend import LocalBackend
+    from trainer.backends.data_parallel import follow
+    from trainer.backends.local import LocalBackend
 
     follow(LocalBackend(cfg))
 
@@ -170,7 +171,7 @@ def run(cfg: RunConfig) -> None:
 
 def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> None:
     assert cfg.launch.run_api_url is not None and cfg.launch.gateway_url is not None
-    gateway = GatewayClient(cfg.launch.gateway_url, cfg.inference.publish_token)
+    gateway = GatewayClient(cfg.launch.gateway_url, cfg.inference.get("publish_token"))
     api = RunApi(cfg.launch.run_api_url)
     state = _resume(backend, gateway, run_dir)
     api.register(cfg, state.step)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from trainer.backend import AdamParams
-from trainer.config import OptimConfig
+from trainer.backends.base import AdamParams
+from trainer.training.config import OptimConfig
 
 
 def compute_lr(step: int, cfg: OptimConfig) -> float:

@@ -1,7 +1,7 @@
 """Trainer throughput benchmark: LoRA forward+backward+AdamW tokens/s, MFU, peak memory, adapter save time.
 
-    python -m trainer.bench                                  # tiny offline model on CPU
-    python -m trainer.bench --shape llama-3.1-8b --device cuda  # random Llama-3.1-8B shape, seq 512, rank 32
+    python -m trainer.orchestration.bench                                  # tiny offline model on CPU
+    python -m trainer.orchestration.bench --shape llama-3.1-8b --device cuda  # random Llama-3.1-8B shape, seq 512, rank 32
 
 Prints one JSON object (medians over --steps timed steps after one warm-up) with the command, git sha and
 hardware. The 8B shape is randomly initialised on the device: nothing is downloaded.
@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from trainer.backend import AdamParams
-from trainer.batch import TrainingExample
-from trainer.config import RunConfig
-from trainer.local_backend import LocalBackend
-from trainer.losses import LossParams
+from trainer.backends.base import AdamParams
+from trainer.training.batch import TrainingExample
+from trainer.training.config import RunConfig
+from trainer.backends.local import LocalBackend
+from trainer.training.losses import LossParams
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     adapter_bytes = (Path(path) / "adapter_model.safetensors").stat().st_size
     step_s = statistics.median(step_times)
     result: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, "-m", "trainer.bench", *sys.argv[1:]]),
+        "command": " ".join([Path(sys.executable).name, "-m", "trainer.orchestration.bench", *sys.argv[1:]]),
         "git_sha": git_sha(),
         "hardware": hardware(),
         "torch": torch.__version__,

@@ -17,7 +17,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from trainer.config import ConfigError, RunConfig
+from trainer.training.config import ConfigError, RunConfig
 
 PORT_BASE = 20000
 PORTS_PER_JOB = 4  # run-api, gateway, torchrun rendezvous, one spare

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from trainer.backend import AdamParams, ForwardBackwardResult
-from trainer.batch import TrainingExample, examples_to_tensors
-from trainer.config import ConfigError, RunConfig
-from trainer.losses import (
+from trainer.backends.base import AdamParams, ForwardBackwardResult
+from trainer.training.batch import TrainingExample, examples_to_tensors
+from trainer.training.config import ConfigError, RunConfig
+from trainer.training.losses import (
     LossInputs,
     LossParams,
     Reduction,
@@ -122,7 +122,7 @@ def loss_fn_config(loss: LossParams) -> dict[str, float] | None:
 
 
 class TinkerBackend:
-    """TrainingBackend on Tinker. See trainer.backend.TrainingBackend for the contract."""
+    """TrainingBackend on Tinker. See trainer.backends.base.TrainingBackend for the contract."""
 
     def __init__(self, cfg: RunConfig, service: Any = None, tokenizer: Any = None):
         self.cfg = cfg

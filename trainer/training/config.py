@@ -11,8 +11,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from inference.config import GatewayConfig
-from trainer.losses import DEFAULT_DRO_BETA, LossName, LossParams, Reduction
+from trainer.training.losses import DEFAULT_DRO_BETA, LossName, LossParams, Reduction
 
 
 class _Section(BaseModel):
@@ -163,7 +162,9 @@ class RunConfig(_Section):
     loss: LossConfig = Field(default_factory=LossConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    inference: GatewayConfig = Field(default_factory=GatewayConfig)
+    inference: dict[str, Any] = Field(
+        default_factory=dict, description="the gateway's own section: launch.sh completes it, validates it with the "
+        "gateway's model (python -m inference.config) and writes it to RUN_DIR/gateway.yaml")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
@@ -172,14 +173,15 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        if self.inference.model is None:  # the sampler serves the model the trainer trains unless told otherwise
-            self.inference.model = self.model.path
-        # The gateway must keep every version the trainer may still accept loaded.
-        if "max_staleness" not in self.inference.model_fields_set:
-            self.inference.max_staleness = self.rollout.max_staleness
-        elif self.inference.max_staleness < self.rollout.max_staleness:
-            raise ValueError(f"inference.max_staleness={self.inference.max_staleness} is below "
+        # The gateway must keep every version the trainer may still accept loaded (the launcher fills the default).
+        gateway_staleness = self.inference.get("max_staleness")
+        if isinstance(gateway_staleness, int) and gateway_staleness < self.rollout.max_staleness:
+            raise ValueError(f"inference.max_staleness={gateway_staleness} is below "
                              f"rollout.max_staleness={self.rollout.max_staleness}; drop the inference override")
+        for key in ("sampler", "tinker"):
+            if key in self.inference:
+                raise ValueError(f"inference.{key} is set by the launcher from launch.backend and the tinker: "
+                                 "section; remove it from the config")
         if self.loss.tis_cap is not None and self.loss.name in ("cross_entropy", "dro"):
             raise ValueError(f"loss.tis_cap applies to ratio losses, not loss.name={self.loss.name!r}")
         if self.distributed.world_size > 1 and self.launch.backend == "tinker":
@@ -226,6 +228,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def shown_input(key: str, value: Any) -> str:
+    """The offending value for an error message; never a secret, never a whole section (which may hold one)."""
+    if "token" in key or "key" in key.rsplit(".", 1)[-1]:
+        return " (value hidden)"
+    if isinstance(value, dict):
+        return ""
+    return f" (got {value!r})"
+
+
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | None = None) -> C:
     """Read YAML (optional), apply dotted overrides, validate; errors name the dotted key and the value seen."""
     data: dict[str, Any] = {}
@@ -242,5 +253,5 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
         lines = []
         for err in exc.errors():
             key = ".".join(str(p) for p in err["loc"]) or "<root>"
-            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+            lines.append(f"  {key}: {err['msg']}{shown_input(key, err.get('input'))}")
         raise ConfigError(f"invalid config{where}:\n" + "\n".join(lines)) from None

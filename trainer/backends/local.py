@@ -1,6 +1,6 @@
 """The local training backend: a Hugging Face causal LM with a PEFT LoRA adapter, trained in this process.
 
-Owns the model, optimizer and RNG; computes losses with trainer.losses; writes adapters vLLM can hot-load.
+Owns the model, optimizer and RNG; computes losses with trainer.training.losses; writes adapters vLLM can hot-load.
 Must not talk to run-api or the gateway (the loop does).
 """
 
@@ -20,18 +20,18 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.backend import AdamParams, ForwardBackwardResult
-from trainer.batch import TrainingExample, examples_to_tensors, plan_micro_batches
-from trainer.config import RunConfig
-from trainer.distributed import (
+from trainer.backends.base import AdamParams, ForwardBackwardResult
+from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
+from trainer.training.config import RunConfig
+from trainer.backends.collectives import (
     gather_objects,
     init_process_group,
     rank_info,
     shard_indices,
     sum_gradients_hook,
 )
-from trainer.logprobs import compute_token_logprobs
-from trainer.losses import (
+from trainer.training.logprobs import compute_token_logprobs
+from trainer.training.losses import (
     LossInputs,
     LossParams,
     Reduction,
@@ -59,7 +59,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def resolve_model_path(path: str) -> str:
     if path == "tiny":
-        from trainer.tiny_model import ensure_tiny_model
+        from trainer.backends.tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model())
     return path
@@ -115,8 +115,8 @@ class TokenLogprobs(torch.nn.Module):
 
 
 class LocalBackend:
-    """TrainingBackend on a local GPU or CPU, or one rank of a torchrun data-parallel job (trainer.distributed).
-    See trainer.backend.TrainingBackend for the contract."""
+    """TrainingBackend on a local GPU or CPU, or one rank of a torchrun data-parallel job (trainer.backends.data_parallel).
+    See trainer.backends.base.TrainingBackend for the contract."""
 
     def __init__(self, cfg: RunConfig, model: Any = None):
         self.cfg = cfg

@@ -1,0 +1,12 @@
+"""The gateway's one error type: every failure carries the HTTP status the client should get."""
+
+from __future__ import annotations
+
+
+class BackendError(Exception):
+    """A request failed; `status` is the HTTP status the gateway answers with, `message` says what to fix."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message

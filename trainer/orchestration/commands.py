@@ -1,0 +1,136 @@
+"""The command line of every component of a run, and the config file each one reads. Pure: no process is
+started here. The launcher knows all processes; each process reads only its own file:
+- the trainer RUN_DIR/config.yaml (the whole resolved RunConfig),
+- the gateway RUN_DIR/gateway.yaml (its own section, validated by its own model),
+- run-api nothing (it is configured by the trainer's /register),
+- each environment its own command-line flags.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer.orchestration.processes import Component
+from trainer.orchestration.slurm import Placement, srun_prefix
+from trainer.training.config import ConfigError, RunConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+RUN_API_APP = "atroposlib.api:app"  # what atroposlib's run-api serves; started through uvicorn to pass a socket
+
+
+def resolve_env_module(env: str) -> list[str]:
+    """`python -m environments.<name>` for a built-in name, `python <file>` for any Atropos env file."""
+    if env.endswith(".py"):
+        path = Path(env)
+        if not path.is_file():
+            raise ConfigError(f"rollout.env={env!r}: no such environment file")
+        return [PY, str(path.resolve())]
+    if not (ROOT / "environments" / f"{env}.py").is_file():
+        names = sorted(p.stem for p in (ROOT / "environments").glob("*.py") if not p.stem.startswith("_"))
+        raise ConfigError(f"unknown environment {env!r}: built-in ones are {names}, or pass a path to an env file")
+    return [PY, "-m", f"environments.{env}"]
+
+
+def flag(key: str, value: Any) -> str:
+    # key=value in one token: atroposlib reads `--flag -1` as a bare boolean flag
+    return f"--{key}={json.dumps(value) if isinstance(value, list | dict) else value}"
+
+
+def env_args_flags(cfg: RunConfig) -> list[str]:
+    return [flag(f"env.{k}", v) for k, v in cfg.rollout.env_args.items()]
+
+
+def env_command(cfg: RunConfig, model_path: str, worker: int) -> list[str]:
+    r = cfg.rollout
+    # Atropos caps queued + in-flight rollouts at this many batches, which bounds their lag in versions.
+    offpolicy = r.max_batches_offpolicy or max(1, r.max_staleness)
+    flags: dict[str, Any] = {
+        "env.rollout_server_url": cfg.launch.run_api_url,
+        "env.group_size": r.group_size,
+        "env.batch_size": r.batch_size,
+        "env.max_batches_offpolicy": offpolicy,
+        "env.total_steps": -1,  # follow run-api's num_steps (the trainer's registration)
+        "env.max_token_length": r.max_token_length,
+        "env.tokenizer_name": model_path,
+        "env.use_wandb": False,
+        "env.seed": r.seed + worker,
+        "env.wandb_name": f"{Path(r.env).stem}-{worker}",
+        "env.temperature": r.temperature,
+        "env.max_new_tokens": r.max_new_tokens,
+        "openai.base_url": f"{cfg.launch.gateway_url}/v1",
+        "openai.api_key": "local",
+        "openai.model_name": model_path,
+        "openai.tokenizer_name": model_path,
+        "openai.server_type": "vllm",
+    }
+    if r.env.endswith(".py"):  # any Atropos env: only BaseEnvConfig's own fields can be assumed
+        flags.pop("env.temperature")
+        flags.pop("env.max_new_tokens")
+    for key in r.env_args:  # rollout.env_args wins over what the launcher derives
+        flags.pop(f"env.{key}", None)
+    return [*resolve_env_module(r.env), "serve", *(flag(k, v) for k, v in flags.items()), *env_args_flags(cfg)]
+
+
+def env_preflight_command(cfg: RunConfig) -> list[str] | None:
+    """The built-in environment's own check of what it needs (e.g. gsm8k's data), run before anything starts."""
+    if cfg.rollout.env.endswith(".py"):
+        return None
+    return [*resolve_env_module(cfg.rollout.env), "preflight", *env_args_flags(cfg)]
+
+
+def trainer_command(cfg: RunConfig, config_file: str, rendezvous: str | None = None, run_id: str = "rl") -> list[str]:
+    """`python -m trainer run`, under torchrun when the config asks for several data-parallel ranks.
+    `rendezvous` (host:port of the first trainer node) is needed only when the trainer spans nodes."""
+    d = cfg.distributed
+    run = ["-m", "trainer", "run", "--config", config_file]
+    if d.world_size == 1:
+        return [PY, *run]
+    argv = [PY, "-m", "torch.distributed.run", f"--nproc_per_node={d.nproc_per_node}", f"--nnodes={d.nnodes}"]
+    if d.nnodes == 1:
+        argv.append("--standalone")
+    elif rendezvous is None:
+        raise ConfigError(f"distributed.nnodes={d.nnodes}: a trainer across nodes needs SLURM (sbatch launch.sh)")
+    else:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={run_id}"]
+    return argv + run
+
+
+def server_argvs(run_dir: Path, placement: Placement | None, fds: dict[str, int]) -> dict[str, list[str]]:
+    """run-api and the gateway: on an inherited socket (--fd) locally, on the job's derived ports under SLURM."""
+    logs = run_dir / "logs"
+    gateway = [PY, "-m", "inference", "--config", str(run_dir / "gateway.yaml"), "--log-dir", str(logs)]
+    run_api = [PY, "-m", "uvicorn", RUN_API_APP]
+    if placement is None:
+        return {"run-api": [*run_api, "--fd", str(fds.get("run-api", "<fd>"))],
+                "gateway": [*gateway, "--fd", str(fds.get("gateway", "<fd>"))]}
+    # Under SLURM the gateway binds inference.host:inference.port itself (both are in its gateway.yaml).
+    return {"run-api": [*run_api, "--host", placement.bind_host, "--port", str(placement.ports.run_api)],
+            "gateway": gateway}
+
+
+def build_components(cfg: RunConfig, run_dir: Path, model_path: str, placement: Placement | None = None,
+                     job_id: int = 0, fds: dict[str, int] | None = None) -> list[Component]:
+    """The run's processes in start order. With a SLURM placement each one is an srun step on its node(s)."""
+    fds = fds or {}
+    argvs = server_argvs(run_dir, placement, fds)
+    for w in range(cfg.rollout.env_workers):
+        argvs["env" if cfg.rollout.env_workers == 1 else f"env-{w}"] = env_command(cfg, model_path, w)
+    rendezvous = f"{placement.hosts['trainer'][0]}:{placement.ports.rendezvous}" if placement else None
+    argvs["trainer"] = trainer_command(cfg, str(run_dir / "config.yaml"), rendezvous, str(job_id))
+    if cfg.distributed.devices:
+        # Inside the command, not srun's environment: slurmstepd rewrites CUDA_VISIBLE_DEVICES for GPU steps.
+        argvs["trainer"] = ["env", f"CUDA_VISIBLE_DEVICES={cfg.distributed.devices}", *argvs["trainer"]]
+    components = []
+    for name, argv in argvs.items():
+        if placement is not None:
+            argv = [*srun_prefix(name, placement.hosts[name], job_id), *argv]
+        # run-api gets an empty cwd: it must not watch our files.
+        components.append(Component(name, argv, run_dir / "logs" / f"{name}.log",
+                                    cwd=run_dir / "run-api" if name == "run-api" else ROOT,
+                                    slurm_job=job_id if placement is not None else None,
+                                    pass_fds=(fds[name],) if name in fds else ()))
+    return components

@@ -1,0 +1,354 @@
+"""The process supervisor behind launch.sh: resolve and validate the run config, write the run folder, start
+run-api, the gateway (with vLLM), the environment(s) and the trainer in that order, each after the previous one is
+healthy, print one line per training step, and stop everything it started (its own children, by PID/process
+group) on Ctrl-C, SIGTERM, a component's death, or the end of the run.
+
+    python -m trainer.orchestration.launcher ENV [--backend local|tinker] [--config FILE] [--dry-run]
+                                             [--resume RUN_DIR] [k=v ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from trainer.orchestration.commands import PY, ROOT, build_components, env_preflight_command
+from trainer.orchestration.processes import Component, listen, stop_all, wait_until
+from trainer.orchestration.slurm import Placement, SlurmJob, job_from_env, parse_nodelist, plan
+from trainer.training.config import ConfigError, RunConfig, load_config
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+ANY_HOST = frozenset({"0.0.0.0", "::"})
+ENVS_DONE_GRACE_S = 600.0  # the trainer may still be finishing its last step after the envs hit num_steps
+
+
+class LaunchError(RuntimeError):
+    """A component could not start or died; the message names the log to read."""
+
+
+def wait_http(url: str, comp: Component, timeout_s: float, what: str) -> None:
+    def answered() -> bool:
+        code = comp.exited()
+        if code is not None:
+            raise LaunchError(f"{comp.name} exited with code {code} before {what}; read {comp.log}:\n{comp.tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(url, timeout=5).status_code == 200
+        return False
+
+    try:
+        wait_until(answered, timeout_s, f"{comp.name} {what}")
+    except TimeoutError:
+        raise LaunchError(f"{comp.name} not {what} within {timeout_s:.0f}s; read {comp.log}:\n{comp.tail()}") from None
+
+
+def progress_line(row: dict[str, Any], total: int) -> str:
+    def fmt(key: str, spec: str) -> str:
+        return "-" if row.get(key) is None else format(row[key], spec)
+
+    return (f"step {row['step']:>4}/{total} | v{row['policy_version']} | reward {fmt('reward/mean', '.3f')} | "
+            f"loss {fmt('loss', '+.4f')} | "
+            f"step {row['time/step_s']:.2f}s (wait {row['time/wait_for_batch_s']:.2f}s, train "
+            f"{row['time/train_s']:.2f}s, publish {row['time/publish_s']:.2f}s) | staleness "
+            f"{row['policy/staleness_mean']:.2f}/{row['policy/staleness_max']:.0f} | dropped stale "
+            f"{row['rollouts/dropped_stale']:.0f}")
+
+
+class Supervisor:
+    """Watches a running run: prints new metrics rows, returns 0 when the trainer finishes, raises LaunchError when
+    any component dies (an environment may exit 0: it stops by itself once run-api's step count is reached)."""
+
+    def __init__(self, components: list[Component], cfg: RunConfig, metrics: Path):
+        self.trainer = components[-1]
+        self.others = components[:-1]
+        self.envs = [c for c in components if c.name.startswith("env")]
+        self.cfg = cfg
+        self.metrics = metrics
+        self.rows_seen = 0
+        self.envs_done_at: float | None = None
+
+    def run(self) -> int:
+        while (code := self.poll()) is None:
+            time.sleep(0.5)
+        return code
+
+    def poll(self) -> int | None:
+        self.print_new_rows()
+        code = self.trainer.exited()
+        if code is not None:
+            if code != 0:
+                raise LaunchError(f"trainer exited with code {code}; read {self.trainer.log}:\n{self.trainer.tail()}")
+            print(f"run finished: {self.metrics}\ncompare runs: {Path(PY).parent}/python -m trainer report "
+                  f"{self.metrics.parent} OTHER_RUN_DIR ... --out REPORT_DIR", flush=True)
+            return 0
+        for comp in self.others:
+            code = comp.exited()
+            if code is not None and not (comp in self.envs and code == 0):
+                raise LaunchError(f"{comp.name} exited with code {code}; read {comp.log}:\n{comp.tail()}")
+        if self.envs_done_at is None and all(e.exited() == 0 for e in self.envs):
+            self.envs_done_at = time.monotonic()
+        if self.envs_done_at is not None and time.monotonic() - self.envs_done_at > ENVS_DONE_GRACE_S:
+            raise LaunchError(f"every environment finished but the trainer is still waiting; read {self.trainer.log}")
+        return None
+
+    def print_new_rows(self) -> None:
+        if not self.metrics.exists():
+            return
+        rows = self.metrics.read_text().splitlines()
+        for line in rows[self.rows_seen:]:
+            print(progress_line(json.loads(line), self.cfg.rollout.num_steps), flush=True)
+        self.rows_seen = len(rows)
+
+
+def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
+    if args.resume:
+        run_dir = Path(args.resume).resolve()
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"--resume {args.resume}: no config.yaml there; pass a run folder launch.sh made")
+        cfg = load_config(RunConfig, run_dir / "config.yaml", args.overrides)
+        cfg.trainer.output_dir = str(run_dir)  # the folder may have moved since the run started
+        return cfg, run_dir
+    config = Path(args.config) if args.config else ROOT / "configs" / f"{Path(args.env).stem}.yaml"
+    if not config.is_file():
+        hint = "pass --config FILE (e.g. configs/tiny_cpu.yaml)"
+        if not args.config:
+            hint = f"there is no {config.relative_to(ROOT)} for this environment; {hint}"
+        raise ConfigError(f"no config {config}: {hint}")
+    # --backend goes through validation with the rest (RunConfig refuses e.g. Tinker with data-parallel ranks).
+    overrides = [f"rollout.env={args.env}", *args.overrides, f"launch.backend={args.backend}"]
+    if not any(o.startswith("trainer.output_dir=") for o in args.overrides):
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        overrides.append(f"trainer.output_dir={ROOT / 'runs' / f'{Path(args.env).stem}-{stamp}'}")
+    cfg = load_config(RunConfig, config, overrides)
+    run_dir = Path(cfg.trainer.output_dir).resolve()
+    if (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or choose a new folder")
+    cfg.trainer.output_dir = str(run_dir)
+    return cfg, run_dir
+
+
+def gateway_section(cfg: RunConfig, model_path: str, address: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The gateway's config, completed from the run (model folder, staleness window, sampler, the address this
+    launch chose) and validated by the gateway's own model in its own interpreter; returned with every default
+    filled in. cfg.inference itself stays as the user wrote it, so a resumed run chooses its ports afresh."""
+    section = {**cfg.inference, **(address or {})}
+    section.setdefault("max_staleness", cfg.rollout.max_staleness)
+    if cfg.launch.backend == "tinker":
+        section["sampler"] = "tinker"
+        section.setdefault("model", cfg.model.path)
+        section["tinker"] = {"base_model": cfg.model.path, "tokenizer": cfg.tinker.tokenizer or model_path,
+                             "timeout_s": cfg.tinker.timeout_s, "client_factory": cfg.tinker.client_factory}
+    else:
+        section.setdefault("model", model_path)
+    proc = subprocess.run([PY, "-m", "inference.config", "-"], input=yaml.safe_dump(section), capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    if proc.returncode != 0:
+        raise ConfigError(proc.stderr.strip() or f"python -m inference.config exited with {proc.returncode}")
+    return dict(json.loads(proc.stdout))
+
+
+def preflight(cfg: RunConfig) -> str:
+    """Everything missing, reported at once within seconds: the model (or, for Tinker, only its tokenizer), the
+    Tinker key, the environment's data. Returns the local model (or tokenizer) folder or hub id."""
+    from trainer.orchestration.preflight import check_model, check_tinker
+
+    problems: list[str] = []
+    model_path = cfg.model.path
+    tinker = cfg.launch.backend == "tinker"
+    try:
+        model_path = check_model(cfg.tinker.tokenizer or cfg.model.path, tokenizer_only=True) if tinker \
+            else check_model(cfg.model.path)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if tinker and not cfg.tinker.client_factory:
+        problems += check_tinker()
+    problems += check_environment(cfg)
+    if problems:
+        raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
+    return model_path
+
+
+def check_environment(cfg: RunConfig) -> list[str]:
+    """Run the built-in environment's own pre-flight (`python -m environments.NAME preflight`)."""
+    argv = env_preflight_command(cfg)
+    if argv is None:
+        return []
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    if proc.returncode == 0:
+        return []
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("preflight: ")]
+    return [line.removeprefix("preflight: ") for line in lines] or [
+        f"environment {cfg.rollout.env!r} failed its pre-flight (exit {proc.returncode}):\n{proc.stderr[-2000:]}"]
+
+
+def place_on_slurm(cfg: RunConfig, job: SlurmJob, preview: bool = False) -> tuple[Placement, dict[str, Any]]:
+    """Bind addresses, URLs and ports for a SLURM job (URLs and the publish token written into cfg, which the
+    trainer reads); returns the placement and the gateway's address."""
+    placement = plan(cfg, job)
+    ports = placement.ports
+    cfg.launch.run_api_url = f"http://{placement.connect_host}:{cfg.launch.run_api_port or ports.run_api}"
+    gateway_port = cfg.inference.get("port") or ports.gateway
+    cfg.launch.gateway_url = f"http://{placement.connect_host}:{gateway_port}"
+    if placement.bind_host not in LOOPBACK_HOSTS and not cfg.inference.get("publish_token"):
+        # The gateway is reachable from other nodes: only holders of the run's config may publish policies.
+        cfg.inference["publish_token"] = "<generated at launch>" if preview else secrets.token_urlsafe(24)
+    return placement, {"host": placement.bind_host, "port": gateway_port}
+
+
+def bind_locally(cfg: RunConfig) -> tuple[dict[str, int], dict[str, Any]]:
+    """Outside SLURM: listening sockets for run-api and the gateway, inherited by them. Returns their fds by
+    component name and the gateway's address."""
+    api = listen("127.0.0.1", cfg.launch.run_api_port)
+    host = cfg.inference.get("host", "127.0.0.1")
+    gateway = listen(host, cfg.inference.get("port", 0))
+    connect = "127.0.0.1" if host in ANY_HOST | LOOPBACK_HOSTS else host
+    port = gateway.getsockname()[1]
+    cfg.launch.run_api_url = f"http://127.0.0.1:{api.getsockname()[1]}"
+    cfg.launch.gateway_url = f"http://{connect}:{port}"
+    return {"run-api": api.detach(), "gateway": gateway.detach()}, {"host": host, "port": port}
+
+
+def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> None:
+    placement, address = place_on_slurm(cfg, job, preview=True) if job is not None else (None, None)
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    print("# gateway.yaml (the gateway's own config, validated by it):")
+    gateway = gateway_section(cfg, cfg.model.path, address)
+    print("".join(f"#   {line}\n" for line in yaml.safe_dump(gateway, sort_keys=False).splitlines()), end="")
+    if job is None or placement is None:
+        print("# commands (run-api and the gateway get listening sockets from the launcher):")
+    else:
+        print(f"# placement in SLURM job {job.job_id or '<id>'} on {len(job.hosts)} node(s): {','.join(job.hosts)}")
+        for name, hosts in placement.hosts.items():
+            print(f"#   {name:<8} on {','.join(hosts)}")
+        print(f"# ports derived from the job id: run-api {placement.ports.run_api}, gateway "
+              f"{placement.ports.gateway}, torchrun rendezvous {placement.ports.rendezvous}")
+        print("# commands (srun steps, run concurrently with --overlap):")
+    for comp in build_components(cfg, run_dir, cfg.model.path, placement, job.job_id if job else 0):
+        print(f"{comp.name}: {' '.join(shlex.quote(a) for a in comp.argv)}")
+
+
+def write_run_folder(cfg: RunConfig, run_dir: Path, model_path: str, job: SlurmJob | None) -> list[Component]:
+    """Ports, URLs and the two config files; returns the components, not started. A config that cannot run
+    (nnodes > 1 outside SLURM) raises before anything is written."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run-api").mkdir(exist_ok=True)
+    fds: dict[str, int] = {}
+    placement = None
+    if job is not None:
+        placement, address = place_on_slurm(cfg, job)
+        print(f"SLURM job {job.job_id}: " + "; ".join(f"{n} on {','.join(h)}" for n, h in placement.hosts.items()),
+              flush=True)
+    else:
+        fds, address = bind_locally(cfg)
+    if cfg.launch.backend == "local":
+        cfg.model.path = model_path  # the trainer loads the folder pre-flight resolved (the tiny model included)
+    else:
+        cfg.tinker.tokenizer = model_path
+    gateway = gateway_section(cfg, model_path, address)
+    components = build_components(cfg, run_dir, model_path, placement, job.job_id if job else 0, fds)
+    (run_dir / "gateway.yaml").write_text(yaml.safe_dump(gateway, sort_keys=False))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return components
+
+
+def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> None:
+    """run-api, then the gateway (once vLLM answers a real completion), then the environments, then the trainer."""
+    assert cfg.launch.run_api_url is not None and cfg.launch.gateway_url is not None
+    api, gateway, *envs, trainer = components
+    api.start()
+    wait_http(f"{cfg.launch.run_api_url}/status", api, cfg.launch.health_timeout_s, "answering /status")
+    gateway.start()
+    print(f"waiting for the gateway and vLLM (log: {gateway.log}, {run_dir / 'logs' / 'vllm.log'})", flush=True)
+    wait_http(f"{cfg.launch.gateway_url}/health", gateway, cfg.launch.health_timeout_s, "healthy")
+    # vLLM runs in its own process group under the gateway; record it so a user (or test) can check on it.
+    sampler_pid = httpx.get(f"{cfg.launch.gateway_url}/policy", timeout=10).json().get("backend_pid")
+    for env in envs:
+        env.start()
+    time.sleep(1.0)  # an environment with a bad flag exits at once: say so before the trainer starts
+    for env in envs:
+        if env.exited() is not None:
+            raise LaunchError(f"{env.name} exited with code {env.exited()}; read {env.log}:\n{env.tail()}")
+    trainer.start()
+    pids = {c.name: c.proc.pid for c in components if c.proc}
+    (run_dir / "pids.json").write_text(json.dumps({**pids, "vllm": sampler_pid}))
+
+
+def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: SlurmJob | None = None) -> int:
+    if dry_run:
+        print_dry_run(cfg, run_dir, job)
+        return 0
+    model_path = preflight(cfg)
+    components = write_run_folder(cfg, run_dir, model_path, job)
+    stopping = {"signal": 0}
+
+    def on_signal(signum: int, _: Any) -> None:
+        stopping["signal"] = signum
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    print(f"run folder: {run_dir}{' (resumed)' if resumed else ''}", flush=True)
+    try:
+        start_all(components, cfg, run_dir)
+        print("all components up; training", flush=True)
+        return Supervisor(components, cfg, run_dir / "metrics.jsonl").run()
+    except KeyboardInterrupt:
+        print(f"launch.sh: stopping on signal {stopping['signal'] or 'SIGINT'}", file=sys.stderr)
+        return 128 + (stopping["signal"] or signal.SIGINT)
+    finally:
+        stop_all(components)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="launch.sh", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("env", nargs="?", help="environment name (toy, gsm8k) or an Atropos env file")
+    p.add_argument("--backend", choices=["local", "tinker"], default="local")
+    p.add_argument("--config", help="run config YAML (default: configs/<env>.yaml)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and commands, start nothing")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--slurm-nodes", metavar="NODELIST",
+                   help="with --dry-run: show the SLURM placement on these nodes (e.g. 'gpu[01-03]')")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=2e-5")
+    args = p.parse_intermixed_args(argv)  # overrides may come before or after the options
+    if args.env and "=" in args.env and not Path(args.env).exists():
+        # `--resume RUN_DIR key=value`: argparse hands the first override to the optional env positional.
+        args.overrides.insert(0, args.env)
+        args.env = None
+    if not args.env and not args.resume:
+        p.error("give an environment (e.g. toy) or --resume RUN_DIR")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg, run_dir = resolve_run(args)
+        if args.slurm_nodes and not args.dry_run:
+            raise ConfigError("--slurm-nodes previews a placement and needs --dry-run; under SLURM the job's "
+                              "own nodes are used")
+        job = SlurmJob(0, parse_nodelist(args.slurm_nodes)) if args.slurm_nodes else job_from_env()
+        return launch(cfg, run_dir, args.dry_run, resumed=bool(args.resume), job=job)
+    except ConfigError as exc:
+        print(f"launch.sh: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        print(f"launch.sh: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

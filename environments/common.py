@@ -10,15 +10,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
-
 from atroposlib.envs.base import APIServerConfig, BaseEnv, ScoredDataGroup
 
 
 def gateway_servers() -> list[APIServerConfig]:
     """One gateway server, as a list: atroposlib rewrites a bare APIServerConfig to localhost:9004-9007.
     launch.sh overrides the URL and model with --openai.* flags."""
-    return [APIServerConfig(model_name="policy", base_url="http://127.0.0.1:9000/v1", api_key="local",
-                            server_type="vllm")]
+    return [
+        APIServerConfig(
+            model_name="policy", base_url="http://127.0.0.1:9000/v1", api_key="local", server_type="vllm"
+        )
+    ]
 
 
 def completion_ids(node: Any) -> list[int]:
@@ -43,7 +45,9 @@ def hub_reachable(timeout_s: float = 5.0) -> bool:
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         return False
     try:
-        httpx.head(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout=timeout_s, follow_redirects=True)
+        httpx.head(
+            os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout=timeout_s, follow_redirects=True
+        )
         return True
     except httpx.HTTPError:
         return False

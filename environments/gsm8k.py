@@ -18,11 +18,15 @@ from pydantic import Field
 
 from environments.common import completion_ids, gateway_servers, group_from_nodes, hub_reachable, run_cli
 
-SYSTEM_PROMPT = ("Solve the math problem step by step. End with the final answer as a number in \\boxed{}, "
-                 "for example \\boxed{42}.")
-HOW_TO_SUPPLY = ("download it where there is network (e.g. `python -c \"import datasets; "
-                 "datasets.load_dataset('openai/gsm8k','main',split='train').to_json('gsm8k_train.jsonl')\"`) and "
-                 "pass rollout.env_args.data_path=/path/to/gsm8k_train.jsonl (JSONL or parquet with question, answer)")
+SYSTEM_PROMPT = (
+    "Solve the math problem step by step. End with the final answer as a number in \\boxed{}, "
+    "for example \\boxed{42}."
+)
+HOW_TO_SUPPLY = (
+    'download it where there is network (e.g. `python -c "import datasets; '
+    "datasets.load_dataset('openai/gsm8k','main',split='train').to_json('gsm8k_train.jsonl')\"`) and "
+    "pass rollout.env_args.data_path=/path/to/gsm8k_train.jsonl (JSONL or parquet with question, answer)"
+)
 
 
 class DataUnavailable(RuntimeError):
@@ -58,8 +62,9 @@ def load_rows(data_path: str | None, dataset: str, config: str, split: str) -> l
         try:
             ds = datasets.load_dataset(dataset, config, split=split)
         except Exception as exc:  # datasets raises ConnectionError, OSError or its own errors offline
-            raise DataUnavailable(f"cannot load {dataset}/{config} ({type(exc).__name__}: {exc}); "
-                                  f"{HOW_TO_SUPPLY}") from exc
+            raise DataUnavailable(
+                f"cannot load {dataset}/{config} ({type(exc).__name__}: {exc}); {HOW_TO_SUPPLY}"
+            ) from exc
     rows = [{"question": r["question"], "answer": r["answer"]} for r in ds]
     if not rows:
         raise DataUnavailable(f"no rows in {data_path or dataset}")
@@ -70,8 +75,11 @@ def preflight(flags: dict[str, str]) -> list[str]:
     """Run by launch.sh before starting anything: is there GSM8K data to read?"""
     data_path = flags.get("data_path")
     if data_path:
-        return [] if Path(data_path).is_file() else [
-            f"rollout.env_args.data_path={data_path!r} does not exist; {HOW_TO_SUPPLY}"]
+        return (
+            []
+            if Path(data_path).is_file()
+            else [f"rollout.env_args.data_path={data_path!r} does not exist; {HOW_TO_SUPPLY}"]
+        )
     try:
         from huggingface_hub import snapshot_download
 
@@ -102,8 +110,14 @@ class GSM8KEnv(BaseEnv):
     def config_init(cls) -> tuple[GSM8KConfig, list[APIServerConfig]]:
         # ensure_scores_are_not_same off: all-equal groups reach the trainer, which counts and skips them, so
         # reward/mean is the reward of every rollout, not of the mixed groups only.
-        env = GSM8KConfig(wandb_name="gsm8k", group_size=16, use_wandb=False, steps_per_eval=0,
-                          max_token_length=2048, ensure_scores_are_not_same=False)
+        env = GSM8KConfig(
+            wandb_name="gsm8k",
+            group_size=16,
+            use_wandb=False,
+            steps_per_eval=0,
+            max_token_length=2048,
+            ensure_scores_are_not_same=False,
+        )
         return env, gateway_servers()
 
     async def setup(self) -> None:
@@ -124,10 +138,17 @@ class GSM8KEnv(BaseEnv):
     async def collect_trajectories(self, item: dict[str, str]) -> tuple[ScoredDataGroup | None, list[Any]]:
         cfg: Any = self.config
         gold = extract_gold(item["answer"])
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": item["question"]}]
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": item["question"]},
+        ]
         async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
-            await managed.chat_completion(messages=messages, n=cfg.group_size, max_tokens=cfg.max_new_tokens,
-                                          temperature=cfg.temperature)
+            await managed.chat_completion(
+                messages=messages,
+                n=cfg.group_size,
+                max_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+            )
             nodes = managed.get_state()["nodes"]
         texts = [self.tokenizer.decode(completion_ids(n), skip_special_tokens=True) for n in nodes]
         return group_from_nodes(nodes, [score_completion(t, gold) for t in texts]), []

@@ -16,8 +16,14 @@ from pydantic import Field
 from environments.common import completion_ids, gateway_servers, group_from_nodes, run_cli
 
 PROMPTS = [
-    "Say something.", "Tell me a story.", "Write a line.", "Count to three.",
-    "Name a color.", "What is a cat?", "Give me a word.", "Finish this:",
+    "Say something.",
+    "Tell me a story.",
+    "Write a line.",
+    "Count to three.",
+    "Name a color.",
+    "What is a cat?",
+    "Give me a word.",
+    "Finish this:",
 ]
 
 
@@ -27,8 +33,9 @@ def compute_target_ids(vocab_size: int, special_ids: set[int], fraction: float, 
     return frozenset(random.Random(seed).sample(candidates, k))
 
 
-def compute_toy_reward(completion_ids: list[int], targets: frozenset[int], eos_ids: set[int],
-                       max_new_tokens: int) -> float:
+def compute_toy_reward(
+    completion_ids: list[int], targets: frozenset[int], eos_ids: set[int], max_new_tokens: int
+) -> float:
     hits = 0
     for token in completion_ids:
         if token in eos_ids:
@@ -51,18 +58,32 @@ class ToyEnv(BaseEnv):
 
     @classmethod
     def config_init(cls) -> tuple[ToyEnvConfig, list[APIServerConfig]]:
-        env = ToyEnvConfig(wandb_name="toy", group_size=8, use_wandb=False, steps_per_eval=0,
-                           max_token_length=256, ensure_scores_are_not_same=False)
+        env = ToyEnvConfig(
+            wandb_name="toy",
+            group_size=8,
+            use_wandb=False,
+            steps_per_eval=0,
+            max_token_length=256,
+            ensure_scores_are_not_same=False,
+        )
         return env, gateway_servers()
 
     async def setup(self) -> None:
         cfg: Any = self.config
         tok = self.tokenizer
         special = set(tok.all_special_ids)
-        self.eos_ids = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if i is not None}
-        self.targets = compute_target_ids(len(tok), special | self.eos_ids, cfg.target_fraction, cfg.target_seed)
-        self.prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                add_generation_prompt=True) for p in PROMPTS]
+        self.eos_ids = {
+            i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if i is not None
+        }
+        self.targets = compute_target_ids(
+            len(tok), special | self.eos_ids, cfg.target_fraction, cfg.target_seed
+        )
+        self.prompts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            for p in PROMPTS
+        ]
         self.rng = random.Random(cfg.seed)
         self.next_index = 0
 
@@ -74,11 +95,14 @@ class ToyEnv(BaseEnv):
     async def collect_trajectories(self, item: str) -> tuple[ScoredDataGroup | None, list[Any]]:
         cfg: Any = self.config
         async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
-            await managed.completion(prompt=item, n=cfg.group_size, max_tokens=cfg.max_new_tokens,
-                                     temperature=cfg.temperature)
+            await managed.completion(
+                prompt=item, n=cfg.group_size, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature
+            )
             nodes = managed.get_state()["nodes"]
-        scores = [compute_toy_reward(completion_ids(n), self.targets, self.eos_ids, cfg.max_new_tokens)
-                  for n in nodes]
+        scores = [
+            compute_toy_reward(completion_ids(n), self.targets, self.eos_ids, cfg.max_new_tokens)
+            for n in nodes
+        ]
         return group_from_nodes(nodes, scores), []
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:

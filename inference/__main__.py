@@ -33,8 +33,10 @@ def resolve_model(path: str | None) -> tuple[str, int]:
     from transformers import AutoConfig
 
     if not path or not Path(path).is_dir():
-        raise GatewayConfigError(f"inference.model={path!r} is not a model folder: the gateway serves a local "
-                                 "folder (launch.sh resolves model.path, the tiny model included, to one)")
+        raise GatewayConfigError(
+            f"inference.model={path!r} is not a model folder: the gateway serves a local "
+            "folder (launch.sh resolves model.path, the tiny model included, to one)"
+        )
     cfg = AutoConfig.from_pretrained(path)
     return path, int(cfg.get_text_config().vocab_size)
 
@@ -58,24 +60,33 @@ def build_tinker_sampler(cfg: GatewayConfig) -> tuple[SamplingBackend, int]:
 
     assert cfg.tinker is not None  # GatewayConfig requires it for sampler=tinker
     tokenizer = AutoTokenizer.from_pretrained(cfg.tinker.tokenizer)
-    backend = TinkerSamplingBackend(cfg, cfg.tinker.base_model, tokenizer, service_factory(cfg.tinker),
-                                    cfg.tinker.timeout_s)
+    backend = TinkerSamplingBackend(
+        cfg, cfg.tinker.base_model, tokenizer, service_factory(cfg.tinker), cfg.tinker.timeout_s
+    )
     return backend, len(tokenizer)
 
 
-def build_vllm_replicas(cfg: GatewayConfig, model_path: str, log_dir: Path,
-                        registry: PolicyRegistry) -> SamplingBackend:
+def build_vllm_replicas(
+    cfg: GatewayConfig, model_path: str, log_dir: Path, registry: PolicyRegistry
+) -> SamplingBackend:
     def adapters() -> list[Policy]:
         return [p for p in registry.loaded() if p.adapter_path]
 
     n = cfg.vllm.replicas
     if n == 1:
-        return VLLMBackend(cfg, model_path, log_dir / "vllm.log", restore=adapters,
-                           extra_env=cfg.vllm.replica_extra_env(0))
+        return VLLMBackend(
+            cfg, model_path, log_dir / "vllm.log", restore=adapters, extra_env=cfg.vllm.replica_extra_env(0)
+        )
     replicas = [
-        VLLMBackend(cfg, model_path, log_dir / f"vllm-{i}.log", restore=adapters,
-                    port=cfg.vllm.port + i if cfg.vllm.port else None, wait_on_crash=False,
-                    extra_env=cfg.vllm.replica_extra_env(i))
+        VLLMBackend(
+            cfg,
+            model_path,
+            log_dir / f"vllm-{i}.log",
+            restore=adapters,
+            port=cfg.vllm.port + i if cfg.vllm.port else None,
+            wait_on_crash=False,
+            extra_env=cfg.vllm.replica_extra_env(i),
+        )
         for i in range(n)
     ]
     return ReplicaSet(replicas, wanted=adapters)
@@ -99,7 +110,9 @@ async def serve(args: argparse.Namespace) -> int:
     async def watch() -> None:
         while not server.should_exit:
             if backend.state == "failed":
-                logging.error("the sampling backend failed; stopping the gateway (read the logs in %s)", log_dir)
+                logging.error(
+                    "the sampling backend failed; stopping the gateway (read the logs in %s)", log_dir
+                )
                 server.should_exit = True
             await asyncio.sleep(0.5)
 
@@ -123,15 +136,23 @@ def print_vllm_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m inference", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="the gateway's YAML (RUN_DIR/gateway.yaml: the completed inference: section)")
+    p = argparse.ArgumentParser(
+        prog="python -m inference", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--config", help="the gateway's YAML (RUN_DIR/gateway.yaml: the completed inference: section)"
+    )
     p.add_argument("--log-dir", default="logs", help="where vllm.log goes")
     p.add_argument("--port-file", help="write the gateway's port here once bound")
     p.add_argument("--fd", type=int, help="serve on this inherited, already listening socket")
-    p.add_argument("--vllm-command", action="store_true",
-                   help="print the vLLM command this config starts (JSON: argv, env) and exit (benchmarks)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. max_staleness=2 or vllm.dtype=float32")
+    p.add_argument(
+        "--vllm-command",
+        action="store_true",
+        help="print the vLLM command this config starts (JSON: argv, env) and exit (benchmarks)",
+    )
+    p.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. max_staleness=2 or vllm.dtype=float32"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

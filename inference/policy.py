@@ -47,15 +47,18 @@ class PolicyRegistry:
 
     def publish(self, policy: Policy) -> None:
         if policy.version <= self._current:
-            raise ValueError(f"version {policy.version} is not newer than the current version {self._current}")
+            raise ValueError(
+                f"version {policy.version} is not newer than the current version {self._current}"
+            )
         self._policies[policy.version] = policy
         self._current = policy.version
 
     def removable(self) -> list[Policy]:
         """Loaded adapters outside the staleness window that no request is using."""
         oldest_kept = self._current - self.max_staleness
-        return [p for v, p in sorted(self._policies.items())
-                if 0 < v < oldest_kept and self._in_flight[v] == 0]
+        return [
+            p for v, p in sorted(self._policies.items()) if 0 < v < oldest_kept and self._in_flight[v] == 0
+        ]
 
     def remove(self, version: int) -> None:
         if version in (0, self._current):

@@ -13,8 +13,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from inference.policy import Policy
 from inference.errors import BackendError
+from inference.policy import Policy
+from inference.polling import poll_until
 from inference.vllm_backend import VLLMBackend
 from inference.wire import Sample, SamplingRequest
 
@@ -111,8 +112,11 @@ class ReplicaSet:
     # --- requests ---------------------------------------------------------------------------------------
 
     def _holders(self, policy: Policy) -> list[int]:
-        return [i for i, r in enumerate(self.replicas)
-                if r.ready and (policy.adapter_path is None or policy.model_name in r.loaded)]
+        return [
+            i
+            for i, r in enumerate(self.replicas)
+            if r.ready and (policy.adapter_path is None or policy.model_name in r.loaded)
+        ]
 
     async def _route(self, policy: Policy, call: Callable[[VLLMBackend], Any]) -> Any:
         for attempt in range(2):
@@ -131,14 +135,16 @@ class ReplicaSet:
 
     async def _wait_for_holders(self, policy: Policy) -> list[int]:
         """Replicas that can serve `policy` now; if none (all restarting, or catching up), wait for one."""
-        deadline = asyncio.get_running_loop().time() + self.replicas[0].cfg.vllm.startup_timeout_s
-        while not (holders := self._holders(policy)):
+
+        async def holders() -> list[int]:
             if all(r.state in ("failed", "stopped") for r in self.replicas):
                 raise BackendError(503, "every vLLM replica has failed")
-            if asyncio.get_running_loop().time() > deadline:
-                raise BackendError(503, f"no vLLM replica holds {policy.model_name}")
-            await asyncio.sleep(0.1)
-        return holders
+            return self._holders(policy)
+
+        found = await poll_until(holders, self.replicas[0].cfg.vllm.startup_timeout_s, 0.1)
+        if not found:
+            raise BackendError(503, f"no vLLM replica holds {policy.model_name}")
+        return found
 
     async def sample(self, req: SamplingRequest, policy: Policy) -> list[Sample]:
         result: list[Sample] = await self._route(policy, lambda r: r.sample(req, policy))
@@ -164,10 +170,19 @@ class ReplicaSet:
             raise errors[0]
         for replica, result in zip(ready, results):
             if isinstance(result, BaseException):
-                log.warning("loading %s on %s failed (%s); it will catch up after it is back",
-                            policy.model_name, replica.url, result)
+                log.warning(
+                    "loading %s on %s failed (%s); it will catch up after it is back",
+                    policy.model_name,
+                    replica.url,
+                    result,
+                )
 
     async def unload_adapter(self, policy: Policy) -> None:
         async with self._lock:
-            await asyncio.gather(*(r.unload_adapter(policy) for r in self.replicas
-                                   if r.ready and policy.model_name in r.loaded))
+            await asyncio.gather(
+                *(
+                    r.unload_adapter(policy)
+                    for r in self.replicas
+                    if r.ready and policy.model_name in r.loaded
+                )
+            )

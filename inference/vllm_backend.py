@@ -26,28 +26,40 @@ import httpx
 from inference.config import GatewayConfig
 from inference.errors import BackendError
 from inference.policy import Policy
+from inference.polling import poll_until
 from inference.wire import Sample, SamplingRequest
 
 log = logging.getLogger("inference.vllm")
 
 
-def build_vllm_command(cfg: GatewayConfig, model_path: str, port: int,
-                       python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+def build_vllm_command(
+    cfg: GatewayConfig, model_path: str, port: int, python: str = sys.executable
+) -> tuple[list[str], dict[str, str]]:
     """argv and the extra environment for a vLLM OpenAI server that accepts LoRA adapters at run time."""
     v = cfg.vllm
     argv = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model_path,
-        "--served-model-name", cfg.served_model_name,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--dtype", v.dtype,
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_path,
+        "--served-model-name",
+        cfg.served_model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        v.dtype,
         "--enable-lora",
-        "--max-lora-rank", str(v.max_lora_rank),
-        "--max-loras", str(cfg.max_loras),
+        "--max-lora-rank",
+        str(v.max_lora_rank),
+        "--max-loras",
+        str(cfg.max_loras),
         # vLLM's own sampling defaults (temperature 1, top_p 1), not the model's generation_config.json:
         # an env that omits top_p must get the full distribution its logprobs describe.
-        "--generation-config", "vllm",
+        "--generation-config",
+        "vllm",
     ]
     if v.max_model_len is not None:
         argv += ["--max-model-len", str(v.max_model_len)]
@@ -99,9 +111,14 @@ def parse_completion_choices(body: dict[str, Any]) -> list[Sample]:
     for choice in sorted(body["choices"], key=lambda c: c["index"]):
         lp = choice.get("logprobs") or {"tokens": [], "token_logprobs": []}
         ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
-        samples.append(Sample(token_ids=ids, logprobs=[float(x) for x in lp["token_logprobs"]],
-                              finish_reason=choice.get("finish_reason") or "stop",
-                              stop_reason=choice.get("stop_reason")))
+        samples.append(
+            Sample(
+                token_ids=ids,
+                logprobs=[float(x) for x in lp["token_logprobs"]],
+                finish_reason=choice.get("finish_reason") or "stop",
+                stop_reason=choice.get("stop_reason"),
+            )
+        )
     return samples
 
 
@@ -120,14 +137,24 @@ def check_adapter_folder(path: str, max_rank: int) -> None:
     except (ValueError, TypeError) as exc:
         raise BackendError(400, f"{cfg_file} is not valid JSON with an integer 'r': {exc}") from exc
     if rank > max_rank:
-        raise BackendError(400, f"adapter rank {rank} exceeds the gateway's vllm.max_lora_rank {max_rank}; "
-                                "restart the gateway with a larger ceiling or train a smaller rank")
+        raise BackendError(
+            400,
+            f"adapter rank {rank} exceeds the gateway's vllm.max_lora_rank {max_rank}; "
+            "restart the gateway with a larger ceiling or train a smaller rank",
+        )
 
 
 class VLLMBackend:
-    def __init__(self, cfg: GatewayConfig, model_path: str, log_path: Path,
-                 restore: Callable[[], list[Policy]], port: int | None = None,
-                 extra_env: dict[str, str] | None = None, wait_on_crash: bool = True):
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        model_path: str,
+        log_path: Path,
+        restore: Callable[[], list[Policy]],
+        port: int | None = None,
+        extra_env: dict[str, str] | None = None,
+        wait_on_crash: bool = True,
+    ):
         self.cfg = cfg
         self.model_path = model_path
         self.log_path = log_path
@@ -146,7 +173,8 @@ class VLLMBackend:
         self.proc: subprocess.Popen[bytes] | None = None
         self._ready = asyncio.Event()
         self._client = httpx.AsyncClient(
-            base_url=self.url, timeout=cfg.request_timeout_s,
+            base_url=self.url,
+            timeout=cfg.request_timeout_s,
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
         self._supervisor: asyncio.Task[None] | None = None
@@ -168,31 +196,39 @@ class VLLMBackend:
             self._log_offset = logf.tell()
             logf.write(f"\n=== starting vLLM: {' '.join(argv)}\n".encode())
             self.loaded = set()
-            self.proc = subprocess.Popen(argv, env={**os.environ, **extra_env, **self.extra_env}, stdout=logf,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(
+                argv,
+                env={**os.environ, **extra_env, **self.extra_env},
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
         log.info("vLLM pid %s on port %s (log %s)", self.proc.pid, self.port, self.log_path)
 
     async def _wait_until_completes(self) -> None:
         # /health turns 200 before the first request can fail (CPU attention): only a completion proves readiness.
-        deadline = time.monotonic() + self.cfg.vllm.startup_timeout_s
         probe = {"model": self.cfg.served_model_name, "prompt": [0], "max_tokens": 1, "temperature": 0.0}
-        while True:
+
+        async def completes() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise BackendError(503, f"vLLM exited with code {self.proc.returncode} while starting; "
-                                        f"read {self.log_path}")
+                raise BackendError(
+                    503, f"vLLM exited with code {self.proc.returncode} while starting; read {self.log_path}"
+                )
             with contextlib.suppress(httpx.HTTPError):
-                r = await self._client.post("/v1/completions", json=probe, timeout=30)
-                if r.status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise BackendError(503, f"vLLM gave no completion within {self.cfg.vllm.startup_timeout_s}s; "
-                                        f"read {self.log_path}")
-            await asyncio.sleep(0.5)
+                return (await self._client.post("/v1/completions", json=probe, timeout=30)).status_code == 200
+            return False
+
+        if not await poll_until(completes, self.cfg.vllm.startup_timeout_s):
+            raise BackendError(
+                503,
+                f"vLLM gave no completion within {self.cfg.vllm.startup_timeout_s}s; read {self.log_path}",
+            )
         models = (await self._client.get("/v1/models")).json()["data"]
-        self.max_model_len = next((m.get("max_model_len") for m in models if m["id"] == self.cfg.served_model_name),
-                                  None)
+        self.max_model_len = next(
+            (m.get("max_model_len") for m in models if m["id"] == self.cfg.served_model_name), None
+        )
 
     def _lost_port_race(self) -> bool:
         """Did the vLLM that just exited fail because its (unpinned) port was taken? Then use another one."""
@@ -217,8 +253,12 @@ class VLLMBackend:
                     await self._wait_until_completes()
                     break
                 except BackendError:
-                    if attempt + 1 == PORT_ATTEMPTS or self.proc is None or self.proc.poll() is None \
-                            or not self._lost_port_race():
+                    if (
+                        attempt + 1 == PORT_ATTEMPTS
+                        or self.proc is None
+                        or self.proc.poll() is None
+                        or not self._lost_port_race()
+                    ):
                         raise
                     await asyncio.to_thread(self._kill)
         except BackendError:
@@ -236,7 +276,9 @@ class VLLMBackend:
                 continue
             code = self.proc.returncode if self.proc else None
             log.error("vLLM died (exit code %s); restarting", code)
-            await asyncio.to_thread(self._kill)  # its engine and worker processes outlive a SIGKILLed API server: reap the group
+            await asyncio.to_thread(
+                self._kill
+            )  # its engine and worker processes outlive a SIGKILLed API server: reap the group
             self._ready.clear()
             self.state = "restarting"
             if self.restarts >= self.cfg.vllm.max_restarts:

@@ -15,11 +15,27 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Sampling parameters forwarded to vLLM; anything else is refused with a 400 naming the key.
-FORWARDED_SAMPLING_KEYS = frozenset({
-    "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "ignore_eos", "include_stop_str_in_output", "min_tokens",
-    "skip_special_tokens", "spaces_between_special_tokens", "logit_bias", "bad_words",
-})
+FORWARDED_SAMPLING_KEYS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "seed",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "min_tokens",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "logit_bias",
+        "bad_words",
+    }
+)
 
 
 class SamplingRequest(BaseModel):
@@ -37,7 +53,9 @@ class SamplingRequest(BaseModel):
     def _known_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(value) - FORWARDED_SAMPLING_KEYS)
         if unknown:
-            raise ValueError(f"unsupported sampling parameter(s) {unknown}; supported: {sorted(FORWARDED_SAMPLING_KEYS)}")
+            raise ValueError(
+                f"unsupported sampling parameter(s) {unknown}; supported: {sorted(FORWARDED_SAMPLING_KEYS)}"
+            )
         return value
 
 
@@ -66,8 +84,12 @@ class VLLMGenerateRequest(BaseModel):
     def to_sampling(self) -> SamplingRequest:
         extra = dict(self.model_extra or {})
         extra.pop("model", None)
-        return SamplingRequest(prompt_token_ids=self.prompt.prompt_token_ids, n=self.n, max_tokens=self.max_tokens,
-                               sampling=extra)
+        return SamplingRequest(
+            prompt_token_ids=self.prompt.prompt_token_ids,
+            n=self.n,
+            max_tokens=self.max_tokens,
+            sampling=extra,
+        )
 
 
 class SGLangGenerateRequest(BaseModel):
@@ -96,7 +118,9 @@ def vllm_generate_response(samples: list[Sample], version: int) -> dict[str, Any
     }
 
 
-def sglang_generate_response(samples: list[Sample], version: int, prompt_len: int) -> dict[str, Any] | list[Any]:
+def sglang_generate_response(
+    samples: list[Sample], version: int, prompt_len: int
+) -> dict[str, Any] | list[Any]:
     def one(s: Sample) -> dict[str, Any]:
         finish: dict[str, Any] = {"type": s.finish_reason}
         if s.finish_reason == "length":
@@ -122,7 +146,9 @@ class PublishRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: int = Field(ge=1, description="policy version; must exceed the current one")
-    adapter_path: str = Field(min_length=1, description="folder with adapter_config.json + adapter_model.safetensors")
+    adapter_path: str = Field(
+        min_length=1, description="folder with adapter_config.json + adapter_model.safetensors"
+    )
 
 
 class PublishResponse(BaseModel):

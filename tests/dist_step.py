@@ -16,13 +16,13 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.backends.base import AdamParams  # noqa: E402
-from trainer.training.batch import IntakeOptions, convert_batch  # noqa: E402
-from trainer.training.config import RunConfig  # noqa: E402
 from trainer.backends.collectives import rank_info  # noqa: E402
 from trainer.backends.data_parallel import RankZeroBackend, follow  # noqa: E402
 from trainer.backends.local import LocalBackend  # noqa: E402
+from trainer.training.batch import IntakeOptions, convert_batch  # noqa: E402
+from trainer.training.config import RunConfig  # noqa: E402
 from trainer.training.losses import LossParams  # noqa: E402
+from trainer.training.schedule import adam_params  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "runapi_batch.json"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -31,28 +31,47 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def main(out: Path, micro_batch_tokens: int) -> None:
     torch.set_num_threads(1)
     info = rank_info()
-    cfg = RunConfig.model_validate({
-        "model": {"path": "tiny"},
-        "lora": {"rank": 8, "alpha": 32, "target_modules": TARGETS},
-        "trainer": {"output_dir": str(out / f"rank{info.rank}"), "max_seq_len": 64,
-                    "micro_batch_tokens": micro_batch_tokens, "logprob_chunk_tokens": 16},
-        "distributed": {"backend": "gloo"},
-    })
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"path": "tiny"},
+            "lora": {"rank": 8, "alpha": 32, "target_modules": TARGETS},
+            "trainer": {
+                "output_dir": str(out / f"rank{info.rank}"),
+                "max_seq_len": 64,
+                "micro_batch_tokens": micro_batch_tokens,
+                "logprob_chunk_tokens": 16,
+            },
+            "distributed": {"backend": "gloo"},
+        }
+    )
     local = LocalBackend(cfg)
     if not info.is_main:
         follow(local)
         return
     backend = RankZeroBackend(local) if info.world_size > 1 else local
-    examples = convert_batch(json.loads(FIXTURE.read_text())["batch"],
-                             IntakeOptions(vocab_size=2048, max_seq_len=64)).examples
+    examples = convert_batch(
+        json.loads(FIXTURE.read_text())["batch"], IntakeOptions(vocab_size=2048, max_seq_len=64)
+    ).examples
     # Step 2 reverses the order (other shards); step 3 has one example, fewer than the ranks.
     results = []
     for batch in (examples, examples[::-1], examples[:1]):
-        fb, optim = backend.train_step(batch, LossParams("importance_sampling"), "seq_mean_token_sum",
-                                       AdamParams(learning_rate=1e-2, grad_clip_norm=1.0))
-        results.append({"loss": fb.loss, "grad_norm": optim["optim/grad_norm"], "metrics": fb.metrics,
-                         "trainer_logprobs": fb.trainer_logprobs})
-    weights = {n: p.detach().clone().contiguous() for n, p in local.model.named_parameters() if p.requires_grad}
+        fb, optim = backend.train_step(
+            batch,
+            LossParams("importance_sampling"),
+            "seq_mean_token_sum",
+            adam_params(1e-2, grad_clip_norm=1.0),
+        )
+        results.append(
+            {
+                "loss": fb.loss,
+                "grad_norm": optim["optim/grad_norm"],
+                "metrics": fb.metrics,
+                "trainer_logprobs": fb.trainer_logprobs,
+            }
+        )
+    weights = {
+        n: p.detach().clone().contiguous() for n, p in local.model.named_parameters() if p.requires_grad
+    }
     save_file(weights, str(out / "lora.safetensors"))
     (out / "results.json").write_text(json.dumps(results))
     if isinstance(backend, RankZeroBackend):

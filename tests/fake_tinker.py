@@ -45,7 +45,7 @@ def root() -> Path:
 def to_folder(tinker_path: str) -> Path:
     if not tinker_path.startswith(PREFIX):
         raise ValueError(f"not a fake tinker path: {tinker_path}")
-    return Path(tinker_path[len(PREFIX):])
+    return Path(tinker_path[len(PREFIX) :])
 
 
 class FakeTrainingClient(tinker.TrainingClient):
@@ -54,11 +54,13 @@ class FakeTrainingClient(tinker.TrainingClient):
 
         self.model_id = f"fake:{uuid.uuid4().hex[:8]}"
         self.run_dir = root() / self.model_id.replace(":", "-")
-        cfg = RunConfig.model_validate({
-            "model": {"path": base_model, "device": "cpu", "dtype": "float32"},
-            "lora": {"rank": rank, "alpha": 4 * rank, "target_modules": LORA_TARGETS, "seed": seed or 0},
-            "trainer": {"output_dir": str(self.run_dir), "max_seq_len": 2048, "micro_batch_tokens": 8192},
-        })
+        cfg = RunConfig.model_validate(
+            {
+                "model": {"path": base_model, "device": "cpu", "dtype": "float32"},
+                "lora": {"rank": rank, "alpha": 4 * rank, "target_modules": LORA_TARGETS, "seed": seed or 0},
+                "trainer": {"output_dir": str(self.run_dir), "max_seq_len": 2048, "micro_batch_tokens": 8192},
+            }
+        )
         self.backend = LocalBackend(cfg)
         if state is not None:
             self.backend.load_state(str(to_folder(state)))
@@ -75,26 +77,46 @@ class FakeTrainingClient(tinker.TrainingClient):
             targets = [int(t) for t in inputs["target_tokens"].tolist()]
             n = len(targets)
             weights = inputs["weights"].tolist() if "weights" in inputs else [1.0] * n
-            examples.append(TrainingExample(
-                input_ids=datum.model_input.to_ints(), target_ids=targets, loss_mask=[float(w) for w in weights],
-                sampler_logprobs=inputs["logprobs"].tolist() if "logprobs" in inputs else [0.0] * n,
-                advantages=inputs["advantages"].tolist() if "advantages" in inputs else [0.0] * n))
+            examples.append(
+                TrainingExample(
+                    input_ids=datum.model_input.to_ints(),
+                    target_ids=targets,
+                    loss_mask=[float(w) for w in weights],
+                    sampler_logprobs=inputs["logprobs"].tolist() if "logprobs" in inputs else [0.0] * n,
+                    advantages=inputs["advantages"].tolist() if "advantages" in inputs else [0.0] * n,
+                )
+            )
         # Tinker sums over every token of every datum; positions that should not train carry advantage 0.
-        loss = LossParams(name=loss_fn, clip_low_threshold=cfg.get("clip_low_threshold"),  # type: ignore[arg-type]
-                          clip_high_threshold=cfg.get("clip_high_threshold"))
+        loss = LossParams(
+            name=loss_fn,
+            clip_low_threshold=cfg.get("clip_low_threshold"),  # type: ignore[arg-type]
+            clip_high_threshold=cfg.get("clip_high_threshold"),
+        )
         with self._lock:
             result = self.backend.forward_backward(examples, loss, "sum")
-        outputs = [{"logprobs": types.TensorData.from_torch(torch.tensor(lp, dtype=torch.float32))}
-                   for lp in result.trainer_logprobs]
-        return done(types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
-                                                metrics={"loss:sum": result.loss}))
+        outputs = [
+            {"logprobs": types.TensorData.from_torch(torch.tensor(lp, dtype=torch.float32))}
+            for lp in result.trainer_logprobs
+        ]
+        return done(
+            types.ForwardBackwardOutput(
+                loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics={"loss:sum": result.loss}
+            )
+        )
 
     def optim_step(self, optim_params: Any = None, *, adam_params: Any = None) -> Any:
         p = optim_params or adam_params
         with self._lock:
-            metrics = self.backend.optim_step(AdamParams(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2,
-                                                         eps=p.eps, weight_decay=p.weight_decay,
-                                                         grad_clip_norm=p.grad_clip_norm))
+            metrics = self.backend.optim_step(
+                AdamParams(
+                    learning_rate=p.learning_rate,
+                    beta1=p.beta1,
+                    beta2=p.beta2,
+                    eps=p.eps,
+                    weight_decay=p.weight_decay,
+                    grad_clip_norm=p.grad_clip_norm,
+                )
+            )
         return done(types.OptimStepResponse(metrics={"grad_norm:mean": metrics["optim/grad_norm"]}))
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: Any = None, user_metadata: Any = None) -> Any:
@@ -102,7 +124,9 @@ class FakeTrainingClient(tinker.TrainingClient):
             folder = self.backend.save_for_sampler(int(name.lstrip("v")))
         return done(types.SaveWeightsForSamplerResponse(path=f"{PREFIX}{folder}"))
 
-    def save_state(self, name: str, ttl_seconds: Any = None, overwrite: bool = False, user_metadata: Any = None) -> Any:
+    def save_state(
+        self, name: str, ttl_seconds: Any = None, overwrite: bool = False, user_metadata: Any = None
+    ) -> Any:
         with self._lock:
             folder = self.backend.save_state(f"{name}-{uuid.uuid4().hex[:6]}")
         return done(types.SaveWeightsResponse(path=f"{PREFIX}{folder}"))
@@ -121,16 +145,25 @@ class FakeSamplingClient(tinker.SamplingClient):
 
             model = PeftModel.from_pretrained(model, str(adapter))
         self.model = model.eval()
-        self.eos_ids = set(model.config.eos_token_id if isinstance(model.config.eos_token_id, list)
-                           else [model.config.eos_token_id])
+        self.eos_ids = set(
+            model.config.eos_token_id
+            if isinstance(model.config.eos_token_id, list)
+            else [model.config.eos_token_id]
+        )
         self._lock = threading.Lock()
 
     def get_telemetry(self) -> None:
         return None
 
     @torch.no_grad()
-    def sample(self, prompt: types.ModelInput, num_samples: int, sampling_params: types.SamplingParams,
-               include_prompt_logprobs: bool = False, **_: Any) -> Any:
+    def sample(
+        self,
+        prompt: types.ModelInput,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        include_prompt_logprobs: bool = False,
+        **_: Any,
+    ) -> Any:
         ids = torch.tensor([prompt.to_ints()] * num_samples)
         stop_ids = {s for s in (sampling_params.stop or []) if isinstance(s, int)} | self.eos_ids
         tokens: list[list[int]] = [[] for _ in range(num_samples)]
@@ -149,9 +182,15 @@ class FakeSamplingClient(tinker.SamplingClient):
                 ids = torch.cat([ids, picked[:, None]], dim=1)
                 if all(finished):
                     break
-        sequences = [types.SampledSequence(stop_reason="stop" if finished[i] else "length",
-                                           sequence_id=uuid.uuid4().hex, _tokens_list=tokens[i],
-                                           _logprobs_list=logprobs[i]) for i in range(num_samples)]
+        sequences = [
+            types.SampledSequence(
+                stop_reason="stop" if finished[i] else "length",
+                sequence_id=uuid.uuid4().hex,
+                _tokens_list=tokens[i],
+                _logprobs_list=logprobs[i],
+            )
+            for i in range(num_samples)
+        ]
         return done(types.SampleResponse(sequences=sequences))
 
 
@@ -159,19 +198,28 @@ class FakeServiceClient:
     """The ServiceClient methods the backends call, returning what Tinker returns."""
 
     def get_server_capabilities(self) -> Any:
-        return done(types.GetServerCapabilitiesResponse(supported_models=[
-            types.SupportedModel(model_name="tiny", trainable=True, sampleable=True)]))
+        return done(
+            types.GetServerCapabilitiesResponse(
+                supported_models=[types.SupportedModel(model_name="tiny", trainable=True, sampleable=True)]
+            )
+        )
 
-    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None, **_: Any) -> Any:
+    def create_lora_training_client(
+        self, base_model: str, rank: int = 32, seed: int | None = None, **_: Any
+    ) -> Any:
         return done(FakeTrainingClient(base_model, rank, seed))
 
     def create_training_client_from_state_with_optimizer(self, path: str, **_: Any) -> Any:
         import json
 
         state = json.loads((to_folder(path) / "run_config.json").read_text())
-        return done(FakeTrainingClient(state["model"]["path"], state["lora"]["rank"], state["lora"]["seed"], path))
+        return done(
+            FakeTrainingClient(state["model"]["path"], state["lora"]["rank"], state["lora"]["seed"], path)
+        )
 
-    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None, **_: Any) -> Any:
+    def create_sampling_client(
+        self, model_path: str | None = None, base_model: str | None = None, **_: Any
+    ) -> Any:
         if model_path is not None:
             import json
 

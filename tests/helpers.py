@@ -22,7 +22,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "runapi_batch.json"
 def assert_learned(rewards: list[float]) -> None:
     """The toy task was learned: a 3-step mean of reward/mean reached 0.8, at least 0.4 above the first three
     steps, and the run did not end far below it (a late fall to ~0.55 was seen once at lr 1e-2)."""
-    means = [sum(rewards[i:i + 3]) / 3 for i in range(len(rewards) - 2)]
+    means = [sum(rewards[i : i + 3]) / 3 for i in range(len(rewards) - 2)]
     assert max(means) >= 0.8 and max(means) - means[0] >= 0.4, rewards
     assert means[-1] >= 0.5, rewards
 
@@ -57,9 +57,18 @@ def run_api(workdir: Path) -> Iterator[str]:
     """Atropos's own run-api on 127.0.0.1, started from an empty folder, stopped by its PID."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from atroposlib.cli.run_api import main; main()", "--host", "127.0.0.1",
-         "--port", str(port)],
-        cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-c",
+            "from atroposlib.cli.run_api import main; main()",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -104,26 +113,44 @@ def build_scored_groups(model_path: Path, group_size: int = 4, seed: int = 0) ->
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     eos = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
     gen = torch.Generator().manual_seed(seed)
-    questions = ["What is 12 + 30?", "Ann has 5 apples and gets 7 more. How many?", "Say hello.", "Count to 3."]
+    questions = [
+        "What is 12 + 30?",
+        "Ann has 5 apples and gets 7 more. How many?",
+        "Say hello.",
+        "Count to 3.",
+    ]
     groups = []
     for gi, q in enumerate(questions):
-        prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
-        group = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": [], "overrides": [],
-                 "messages": [], "generation_params": {"temperature": 1.0, "max_tokens": 12}}
+        group = {
+            "tokens": [],
+            "masks": [],
+            "scores": [],
+            "inference_logprobs": [],
+            "overrides": [],
+            "messages": [],
+            "generation_params": {"temperature": 1.0, "max_tokens": 12},
+        }
         for si in range(group_size):
             comp, lps, finish = sample_completion(model, prompt, 12, eos, gen)
             group["tokens"].append(prompt + comp)
             group["masks"].append([-100] * len(prompt) + comp)
             group["inference_logprobs"].append([1.0] * len(prompt) + lps)
             group["scores"].append(1.0 if gi == 1 else float((si + gi) % 2))
-            group["overrides"].append({"set_advantage_to_zero": True} if finish == "length" and gi == 3 and si == 0 else {})
-            group["messages"].append([{"role": "user", "content": q},
-                                      {"role": "assistant", "content": tok.decode(comp)}])
+            group["overrides"].append(
+                {"set_advantage_to_zero": True} if finish == "length" and gi == 3 and si == 0 else {}
+            )
+            group["messages"].append(
+                [{"role": "user", "content": q}, {"role": "assistant", "content": tok.decode(comp)}]
+            )
         if gi == 2:  # an env that sends its own per-token advantages
-            group["advantages"] = [[0.0] * len(prompt) + [0.5 * (si - 1.5)] * (len(t) - len(prompt))
-                                   for si, t in enumerate(group["tokens"])]
+            group["advantages"] = [
+                [0.0] * len(prompt) + [0.5 * (si - 1.5)] * (len(t) - len(prompt))
+                for si, t in enumerate(group["tokens"])
+            ]
         groups.append(group)
     return groups
 
@@ -131,8 +158,16 @@ def build_scored_groups(model_path: Path, group_size: int = 4, seed: int = 0) ->
 def roundtrip_through_run_api(url: str, groups: list[dict]) -> dict:
     """Register as a trainer, post the groups, and return run-api's `GET /batch` body."""
     batch_size = sum(len(g["tokens"]) for g in groups)
-    reg = {"wandb_group": "test", "wandb_project": "test", "batch_size": batch_size, "max_token_len": 2048,
-           "checkpoint_dir": "ckpt", "save_checkpoint_interval": 0, "starting_step": 0, "num_steps": 10}
+    reg = {
+        "wandb_group": "test",
+        "wandb_project": "test",
+        "batch_size": batch_size,
+        "max_token_len": 2048,
+        "checkpoint_dir": "ckpt",
+        "save_checkpoint_interval": 0,
+        "starting_step": 0,
+        "num_steps": 10,
+    }
     httpx.post(f"{url}/register", json=reg, timeout=10).raise_for_status()
     httpx.post(f"{url}/scored_data_list", json=groups, timeout=10).raise_for_status()
     body = httpx.get(f"{url}/batch", timeout=10).json()

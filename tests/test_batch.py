@@ -58,7 +58,9 @@ def test_fixture_converts_with_shift_masks_and_advantages(groups):
     # group 2 sends token-level advantages: used as sent, shifted by one
     for si in range(4):
         ex = by_seq[(2, si)]
-        assert ex.advantages == [a if m else 0.0 for a, m in zip(groups[2]["advantages"][si][1:], ex.loss_mask, strict=False)]
+        assert ex.advantages == [
+            a if m else 0.0 for a, m in zip(groups[2]["advantages"][si][1:], ex.loss_mask, strict=False)
+        ]
     # group 3 seq 0 carries set_advantage_to_zero
     assert groups[3]["overrides"][0] == {"set_advantage_to_zero": True}
     assert all(a == 0 for a in by_seq[(3, 0)].advantages)
@@ -87,9 +89,14 @@ def test_std_normalisation_and_grpo_style_advantages():
 
 
 def test_temperature_priority():
-    g = ScoredDataGroup(tokens=[[1, 2], [1, 2]], masks=[[-100, 2], [-100, 2]], scores=[0, 1],
-                        overrides=[{"temperature": 0.5}, {}], generation_params={"temperature": 0.7},
-                        group_overrides={"temperature": 0.9})
+    g = ScoredDataGroup(
+        tokens=[[1, 2], [1, 2]],
+        masks=[[-100, 2], [-100, 2]],
+        scores=[0, 1],
+        overrides=[{"temperature": 0.5}, {}],
+        generation_params={"temperature": 0.7},
+        group_overrides={"temperature": 0.9},
+    )
     assert resolve_temperature(g, 0) == 0.5 and resolve_temperature(g, 1) == 0.7
     g2 = g.model_copy(update={"generation_params": None})
     assert resolve_temperature(g2, 1) == 0.9
@@ -133,8 +140,15 @@ SEQ_DROPS = [
     ("inference_logprobs", lambda b: b[0]["inference_logprobs"][1].__setitem__(-2, -math.inf), "-inf"),
     ("masks", lambda b: b[0]["masks"].__setitem__(1, [-100] * len(b[0]["tokens"][1])), "no trained token"),
     ("masks", lambda b: b[0]["masks"][1].__setitem__(-1, 7), "position"),
-    ("tokens", lambda b: (b[0]["tokens"][1].extend([5] * 60), b[0]["masks"][1].extend([5] * 60),
-                          b[0]["inference_logprobs"][1].extend([-1.0] * 60)), "max_seq_len"),
+    (
+        "tokens",
+        lambda b: (
+            b[0]["tokens"][1].extend([5] * 60),
+            b[0]["masks"][1].extend([5] * 60),
+            b[0]["inference_logprobs"][1].extend([-1.0] * 60),
+        ),
+        "max_seq_len",
+    ),
 ]
 
 

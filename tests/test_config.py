@@ -24,24 +24,41 @@ def test_every_config_file_parses(path):
 def test_reference_run_values():
     cfg = load_config(RunConfig, Path(__file__).parent.parent / "configs" / "gsm8k.yaml")
     assert cfg.model.path == "meta-llama/Llama-3.1-8B-Instruct"
-    assert (cfg.lora.rank, cfg.optim.lr, cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps) == (32, 4e-5, 0.9, 0.95, 1e-8)
+    assert (cfg.lora.rank, cfg.optim.lr, cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps) == (
+        32,
+        4e-5,
+        0.9,
+        0.95,
+        1e-8,
+    )
     assert cfg.loss.name == "importance_sampling"
 
 
 def test_dotted_overrides_are_typed():
-    cfg = load_config(RunConfig, None, ["optim.lr=2e-5", "lora.target_modules=[q_proj, v_proj]",
-                                        "loss.tis_cap=2", "model.gradient_checkpointing=true"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            "optim.lr=2e-5",
+            "lora.target_modules=[q_proj, v_proj]",
+            "loss.tis_cap=2",
+            "model.gradient_checkpointing=true",
+        ],
+    )
     assert cfg.optim.lr == 2e-5 and cfg.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.loss.tis_cap == 2.0 and cfg.model.gradient_checkpointing is True
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("optim.lr=-1", "optim.lr"),
-    ("optim.lrr=1", "optim.lrr"),
-    ("loss.name=ppo2", "loss.name"),
-    ("loss.reduction=mean", "loss.reduction"),
-    ("trainer.micro_batch_tokens=10", "trainer.micro_batch_tokens=10"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("optim.lr=-1", "optim.lr"),
+        ("optim.lrr=1", "optim.lrr"),
+        ("loss.name=ppo2", "loss.name"),
+        ("loss.reduction=mean", "loss.reduction"),
+        ("trainer.micro_batch_tokens=10", "trainer.micro_batch_tokens=10"),
+    ],
+)
 def test_bad_values_name_the_key_and_value(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(RunConfig, None, [override])
@@ -64,4 +81,7 @@ def test_tis_cap_with_non_ratio_loss_is_a_config_error():
 def test_grpo_normalises_by_std_unless_told_otherwise():
     assert load_config(RunConfig, None, ["loss.name=grpo"]).normalize_std() is True
     assert load_config(RunConfig, None, ["loss.name=ppo"]).normalize_std() is False
-    assert load_config(RunConfig, None, ["loss.name=grpo", "advantage.normalize_std=false"]).normalize_std() is False
+    assert (
+        load_config(RunConfig, None, ["loss.name=grpo", "advantage.normalize_std=false"]).normalize_std()
+        is False
+    )

@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from trainer.training.config import ConfigError, RunConfig, load_config
 from trainer.backends.collectives import shard_indices
+from trainer.training.config import ConfigError, RunConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("lengths,world", [([30] * 12, 2), ([5, 100, 5, 5, 5, 80], 3), ([7, 9], 2),
-                                           ([1] * 7, 4), ([10, 10, 10], 3)])
+@pytest.mark.parametrize(
+    "lengths,world",
+    [([30] * 12, 2), ([5, 100, 5, 5, 5, 80], 3), ([7, 9], 2), ([1] * 7, 4), ([10, 10, 10], 3)],
+)
 def test_shards_cover_every_example_once_in_order(lengths, world):
     shards = [shard_indices(lengths, r, world) for r in range(world)]
     assert [i for s in shards for i in s] == list(range(len(lengths)))
@@ -43,9 +45,21 @@ def test_tinker_backend_refuses_data_parallel_ranks():
 def run_ranks(out: Path, nproc: int, micro_batch_tokens: int) -> list[dict]:
     out.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         str(ROOT / "tests" / "dist_step.py"), str(out), str(micro_batch_tokens)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(ROOT / "tests" / "dist_step.py"),
+            str(out),
+            str(micro_batch_tokens),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "results.json").read_text())
 
@@ -64,11 +78,19 @@ def test_two_gloo_ranks_make_the_same_update_as_one(tmp_path, micro_batch_tokens
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), step
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), step
         assert b["metrics"]["tokens/trained"] == a["metrics"]["tokens/trained"]
-        assert b["metrics"]["importance/ratio_mean"] == pytest.approx(a["metrics"]["importance/ratio_mean"], rel=1e-5)
-        diffs = [abs(p - q) for x, y in zip(a["trainer_logprobs"], b["trainer_logprobs"], strict=True)
-                 for p, q in zip(x, y, strict=True)]
+        assert b["metrics"]["importance/ratio_mean"] == pytest.approx(
+            a["metrics"]["importance/ratio_mean"], rel=1e-5
+        )
+        diffs = [
+            abs(p - q)
+            for x, y in zip(a["trainer_logprobs"], b["trainer_logprobs"], strict=True)
+            for p, q in zip(x, y, strict=True)
+        ]
         assert max(diffs) < 1e-5, step
-    w1, w2 = load_file(str(tmp_path / "one" / "lora.safetensors")), load_file(str(tmp_path / "two" / "lora.safetensors"))
+    w1, w2 = (
+        load_file(str(tmp_path / "one" / "lora.safetensors")),
+        load_file(str(tmp_path / "two" / "lora.safetensors")),
+    )
     assert w1.keys() == w2.keys() and any("lora_A" in k for k in w1)
     moved = max(float(t.abs().max()) for k, t in w1.items() if "lora_B" in k)
     assert moved > 1e-2, "the steps must move the adapter for the comparison to mean anything"
@@ -79,14 +101,30 @@ def test_two_gloo_ranks_make_the_same_update_as_one(tmp_path, micro_batch_tokens
 def test_backend_flag_goes_through_the_same_validation(capsys):
     from trainer.orchestration.launcher import main
 
-    assert main(["toy", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--backend", "tinker",
-                 "distributed.nproc_per_node=2", "--dry-run"]) == 2
+    assert (
+        main(
+            [
+                "toy",
+                "--config",
+                str(ROOT / "configs" / "tiny_cpu.yaml"),
+                "--backend",
+                "tinker",
+                "distributed.nproc_per_node=2",
+                "--dry-run",
+            ]
+        )
+        == 2
+    )
     assert "launch.backend=local" in capsys.readouterr().err
 
 
 def test_a_trainer_across_nodes_outside_slurm_is_refused(capsys):
     from trainer.orchestration.launcher import main
 
-    assert main(["toy", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "distributed.nnodes=2",
-                 "--dry-run"]) == 2
+    assert (
+        main(
+            ["toy", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "distributed.nnodes=2", "--dry-run"]
+        )
+        == 2
+    )
     assert "needs SLURM" in capsys.readouterr().err

@@ -26,13 +26,25 @@ from trainer.training.config import ConfigError, RunConfig, load_config
 
 
 def test_vllm_command_line():
-    cfg = GatewayConfig(model="m", max_staleness=3, vllm={"dtype": "float32", "max_lora_rank": 16,
-                                                          "kv_cache_memory_bytes": 1024, "extra_args": ["--x"]})
+    cfg = GatewayConfig(
+        model="m",
+        max_staleness=3,
+        vllm={"dtype": "float32", "max_lora_rank": 16, "kv_cache_memory_bytes": 1024, "extra_args": ["--x"]},
+    )
     argv, env = build_vllm_command(cfg, "/models/m", 8123, python="py")
     assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(argv)
-    for part in ("--model /models/m", "--host 127.0.0.1", "--port 8123", "--enable-lora", "--max-lora-rank 16",
-                 "--max-loras 5", "--dtype float32", "--kv-cache-memory-bytes 1024", "--generation-config vllm"):
+    for part in (
+        "--model /models/m",
+        "--host 127.0.0.1",
+        "--port 8123",
+        "--enable-lora",
+        "--max-lora-rank 16",
+        "--max-loras 5",
+        "--dtype float32",
+        "--kv-cache-memory-bytes 1024",
+        "--generation-config vllm",
+    ):
         assert part in joined, part
     assert argv[-1] == "--x" and "--gpu-memory-utilization" not in argv
     assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
@@ -47,12 +59,14 @@ def test_config_rules():
     # The launcher completes the run's section and has the gateway's own model validate it.
     cfg = load_config(RunConfig, None, ["model.path=/some/model", "rollout.max_staleness=2"])
     section = gateway_section(cfg, "/some/model")
-    assert section["model"] == "/some/model" and section["max_staleness"] == 2 and section["sampler"] == "vllm"
+    assert (
+        section["model"] == "/some/model" and section["max_staleness"] == 2 and section["sampler"] == "vllm"
+    )
     assert GatewayConfig(**section).max_loras == 4
     bad = load_config(RunConfig, None, ["inference.vllm.max_lora_rank=7"])
     with pytest.raises(ConfigError, match=r"inference\.vllm\.max_lora_rank: .*got 7"):
         gateway_section(bad, "/m")
-    with pytest.raises(ConfigError, match="below rollout.max_staleness"):
+    with pytest.raises(ConfigError, match=r"below rollout\.max_staleness"):
         load_config(RunConfig, None, ["inference.max_staleness=0", "rollout.max_staleness=1"])
 
 
@@ -63,19 +77,32 @@ def test_config_errors_never_print_the_publish_token():
     with pytest.raises(GatewayConfigError) as err2:
         load_gateway_config(None, ["host=10.0.0.1", f"publish_token={secret}", "ledger_size=0"])
     with pytest.raises(ConfigError) as err3:
-        load_config(RunConfig, None, [f"inference.publish_token={secret}", "rollout.max_staleness=2",
-                                      "inference.max_staleness=1"])
+        load_config(
+            RunConfig,
+            None,
+            [f"inference.publish_token={secret}", "rollout.max_staleness=2", "inference.max_staleness=1"],
+        )
     for e in (err, err2, err3):
         assert secret not in str(e.value)
 
 
 def test_parse_completion_choices_orders_and_parses_ids():
-    body = {"choices": [
-        {"index": 1, "finish_reason": "stop", "stop_reason": 7,
-         "logprobs": {"tokens": ["token_id:5", "token_id:7"], "token_logprobs": [-1.0, -2.0]}},
-        {"index": 0, "finish_reason": "length", "stop_reason": None,
-         "logprobs": {"tokens": ["token_id:3"], "token_logprobs": [-0.5]}},
-    ]}
+    body = {
+        "choices": [
+            {
+                "index": 1,
+                "finish_reason": "stop",
+                "stop_reason": 7,
+                "logprobs": {"tokens": ["token_id:5", "token_id:7"], "token_logprobs": [-1.0, -2.0]},
+            },
+            {
+                "index": 0,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "logprobs": {"tokens": ["token_id:3"], "token_logprobs": [-0.5]},
+            },
+        ]
+    }
     s0, s1 = parse_completion_choices(body)
     assert (s0.token_ids, s0.logprobs, s0.finish_reason) == ([3], [-0.5], "length")
     assert (s1.token_ids, s1.finish_reason, s1.stop_reason) == ([5, 7], "stop", 7)
@@ -133,12 +160,20 @@ class ScriptedBackend:
     async def sample(self, req: SamplingRequest, policy: Policy) -> list[Sample]:
         if self.gate is not None:
             await self.gate.wait()
-        return [Sample(token_ids=[policy.version, i], logprobs=[-0.1, -0.2],
-                       finish_reason="length" if req.max_tokens <= 2 else "stop") for i in range(req.n)]
+        return [
+            Sample(
+                token_ids=[policy.version, i],
+                logprobs=[-0.1, -0.2],
+                finish_reason="length" if req.max_tokens <= 2 else "stop",
+            )
+            for i in range(req.n)
+        ]
 
     async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
-        return {"choices": [{"index": 0, "text": "x", "token_ids": [9], "prompt_token_ids": [1, 2]}],
-                "model": policy.model_name}
+        return {
+            "choices": [{"index": 0, "text": "x", "token_ids": [9], "prompt_token_ids": [1, 2]}],
+            "model": policy.model_name,
+        }
 
     def validate_adapter(self, path: str) -> None:
         check_adapter_folder(path, 8)
@@ -171,13 +206,27 @@ async def test_both_dialects_and_version_header(tmp_path):
     backend = ScriptedBackend()
     client, _ = client_for(backend)
     async with client:
-        r = await client.post("/generate", json={"prompt": {"prompt_token_ids": [1, 2]}, "logprobs": 0, "n": 2,
-                                                 "max_tokens": 2, "temperature": 1.0})
+        r = await client.post(
+            "/generate",
+            json={
+                "prompt": {"prompt_token_ids": [1, 2]},
+                "logprobs": 0,
+                "n": 2,
+                "max_tokens": 2,
+                "temperature": 1.0,
+            },
+        )
         assert r.status_code == 200 and r.headers["x-policy-version"] == "0"
         assert r.json()["logprobs"] == [[[{"0": -0.1}], [{"0": -0.2}]], [[{"0": -0.1}], [{"1": -0.2}]]]
         assert r.json()["finish_reasons"] == ["length", "length"]
-        r = await client.post("/generate", json={"input_ids": [1, 2], "return_logprob": True,
-                                                 "sampling_params": {"n": 1, "max_new_tokens": 5}})
+        r = await client.post(
+            "/generate",
+            json={
+                "input_ids": [1, 2],
+                "return_logprob": True,
+                "sampling_params": {"n": 1, "max_new_tokens": 5},
+            },
+        )
         meta = r.json()["meta_info"]
         assert meta["output_token_logprobs"] == [[-0.1, 0, None], [-0.2, 0, None]]
         assert meta["finish_reason"] == {"type": "stop"} and meta["policy_version"] == 0
@@ -193,10 +242,14 @@ async def test_publish_switches_new_requests_and_keeps_in_flight_on_old(tmp_path
         body = {"prompt": {"prompt_token_ids": [1]}, "max_tokens": 4}
         in_flight = asyncio.create_task(client.post("/generate", json=body))
         await asyncio.sleep(0.05)
-        r = await client.post("/policy/publish", json={"version": 1, "adapter_path": make_adapter(tmp_path, "a1")})
+        r = await client.post(
+            "/policy/publish", json={"version": 1, "adapter_path": make_adapter(tmp_path, "a1")}
+        )
         assert r.status_code == 200, r.text
         assert reg.current.version == 1 and backend.loaded == ["policy-v1"]
-        r2 = await client.post("/policy/publish", json={"version": 2, "adapter_path": make_adapter(tmp_path, "a2")})
+        r2 = await client.post(
+            "/policy/publish", json={"version": 2, "adapter_path": make_adapter(tmp_path, "a2")}
+        )
         assert r2.json()["unloaded"] == [1]  # v1 idle and outside a window of 0
         backend.gate.set()
         old = await in_flight
@@ -210,11 +263,15 @@ async def test_stale_version_unloaded_only_after_its_last_request(tmp_path):
     backend = ScriptedBackend()
     client, reg = client_for(backend, max_staleness=0)
     async with client:
-        await client.post("/policy/publish", json={"version": 1, "adapter_path": make_adapter(tmp_path, "a1")})
+        await client.post(
+            "/policy/publish", json={"version": 1, "adapter_path": make_adapter(tmp_path, "a1")}
+        )
         backend.gate = asyncio.Event()
         in_flight = asyncio.create_task(client.post("/generate", json={"prompt": {"prompt_token_ids": [1]}}))
         await asyncio.sleep(0.05)
-        r = await client.post("/policy/publish", json={"version": 2, "adapter_path": make_adapter(tmp_path, "a2")})
+        r = await client.post(
+            "/policy/publish", json={"version": 2, "adapter_path": make_adapter(tmp_path, "a2")}
+        )
         assert r.json()["unloaded"] == [] and reg.in_flight() == {1: 1}
         backend.gate.set()
         assert (await in_flight).headers["x-policy-version"] == "1"
@@ -226,17 +283,20 @@ async def test_stale_version_unloaded_only_after_its_last_request(tmp_path):
         assert [p.version for p in reg.loaded()] == [0, 2]
 
 
-@pytest.mark.parametrize("body,needle", [
-    ({"prompt": {"prompt_token_ids": [1, 100]}}, "outside the vocabulary"),
-    ({"prompt": {"prompt_token_ids": [-1]}}, "outside the vocabulary"),
-    ({"prompt": {"prompt_token_ids": []}}, "prompt_token_ids"),
-    ({"prompt": {"prompt_token_ids": [1]}, "n": 0}, "n:"),
-    ({"prompt": {"prompt_token_ids": [1]}, "max_tokens": 64}, "exceeds the model's context of 64"),
-    ({"prompt": {"prompt_token_ids": [1]}, "n": "many"}, "n:"),
-    ({"prompt": "text"}, "prompt"),
-    ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "bogus"),
-    ({"neither": 1}, "expected 'prompt'"),
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"prompt": {"prompt_token_ids": [1, 100]}}, "outside the vocabulary"),
+        ({"prompt": {"prompt_token_ids": [-1]}}, "outside the vocabulary"),
+        ({"prompt": {"prompt_token_ids": []}}, "prompt_token_ids"),
+        ({"prompt": {"prompt_token_ids": [1]}, "n": 0}, "n:"),
+        ({"prompt": {"prompt_token_ids": [1]}, "max_tokens": 64}, "exceeds the model's context of 64"),
+        ({"prompt": {"prompt_token_ids": [1]}, "n": "many"}, "n:"),
+        ({"prompt": "text"}, "prompt"),
+        ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "bogus"),
+        ({"neither": 1}, "expected 'prompt'"),
+    ],
+)
 async def test_bad_generate_requests_get_400(body, needle):
     client, _ = client_for(ScriptedBackend())
     async with client:
@@ -271,9 +331,14 @@ async def test_publish_validation(tmp_path):
             r = await client.post("/policy/publish", json=body)
             assert r.status_code == status and needle in r.text, (body, r.text)
         assert reg.current.version == 0 and backend.loaded == []
-        assert (await client.post("/policy/publish", json={"version": 3, "adapter_path": make_adapter(
-            tmp_path, "ok")})).status_code == 200
-        r = await client.post("/policy/publish", json={"version": 2, "adapter_path": make_adapter(tmp_path, "old")})
+        assert (
+            await client.post(
+                "/policy/publish", json={"version": 3, "adapter_path": make_adapter(tmp_path, "ok")}
+            )
+        ).status_code == 200
+        r = await client.post(
+            "/policy/publish", json={"version": 2, "adapter_path": make_adapter(tmp_path, "old")}
+        )
         assert r.status_code == 409
 
 

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import FIXTURE
-from trainer.backends.base import AdamParams
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.losses import LossParams
+from trainer.training.schedule import adam_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -27,7 +27,7 @@ def test_bf16_backend_trains_and_saves_bf16_adapter(tmp_path):
     before = lora_state(backend)
     fb = backend.forward_backward(examples, LossParams("importance_sampling"))
     assert fb.metrics["importance/logprob_diff_mean"] < 0.05  # bf16 base vs fp32 sampler
-    backend.optim_step(AdamParams(learning_rate=1e-2))
+    backend.optim_step(adam_params(1e-2))
     assert any(not torch.equal(before[n], p) for n, p in lora_state(backend).items())
     saved = load_file(backend.save_for_sampler(1) + "/adapter_model.safetensors")
     assert all(v.dtype == torch.bfloat16 for v in saved.values())

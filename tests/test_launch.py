@@ -18,16 +18,39 @@ pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parent.parent
 REQUIRED = [
-    "step", "policy_version", "reward/mean", "reward/std", "loss", "optim/grad_norm", "optim/lr", "tokens/trained",
-    "tokens/sampled", "importance/logprob_diff_mean", "importance/mismatch_kl", "policy/staleness_mean",
-    "policy/staleness_max", "rollouts/dropped_stale", "time/step_s", "time/wait_for_batch_s", "time/train_s",
-    "time/publish_s", "perf/tokens_per_s", "wall_s",
+    "step",
+    "policy_version",
+    "reward/mean",
+    "reward/std",
+    "loss",
+    "optim/grad_norm",
+    "optim/lr",
+    "tokens/trained",
+    "tokens/sampled",
+    "importance/logprob_diff_mean",
+    "importance/mismatch_kl",
+    "policy/staleness_mean",
+    "policy/staleness_max",
+    "rollouts/dropped_stale",
+    "time/step_s",
+    "time/wait_for_batch_s",
+    "time/train_s",
+    "time/publish_s",
+    "perf/tokens_per_s",
+    "wall_s",
 ]
 
 
 def launch_cmd(run_dir: Path, *overrides: str) -> list[str]:
-    return ["bash", str(ROOT / "launch.sh"), "toy", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
-            f"trainer.output_dir={run_dir}", *overrides]
+    return [
+        "bash",
+        str(ROOT / "launch.sh"),
+        "toy",
+        "--config",
+        str(ROOT / "configs" / "tiny_cpu.yaml"),
+        f"trainer.output_dir={run_dir}",
+        *overrides,
+    ]
 
 
 def run_launch(cmd: list[str], timeout_s: float) -> tuple[int, str, float]:
@@ -65,7 +88,12 @@ def test_tiny_model_learns_the_toy_task_through_the_whole_stack(tmp_path):
     assert "step   30/30" in out and "run finished" in out
     assert (run_dir / "config.yaml").is_file() and (run_dir / "logs" / "vllm.log").is_file()
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
-        "env.log", "gateway.log", "run-api.log", "trainer.log", "vllm.log"]
+        "env.log",
+        "gateway.log",
+        "run-api.log",
+        "trainer.log",
+        "vllm.log",
+    ]
     assert_nothing_left(run_dir)
 
 
@@ -85,13 +113,19 @@ def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path):
 def test_staleness_window_is_enforced_and_stale_rollouts_counted(tmp_path):
     run_dir = tmp_path / "run"
     # The env may run 4 batches ahead, so some rollouts arrive more than 2 versions old.
-    rc, out, _ = run_launch(launch_cmd(run_dir, "rollout.max_staleness=2", "rollout.max_batches_offpolicy=4",
-                                       "rollout.num_steps=12"), 600)
+    rc, out, _ = run_launch(
+        launch_cmd(
+            run_dir, "rollout.max_staleness=2", "rollout.max_batches_offpolicy=4", "rollout.num_steps=12"
+        ),
+        600,
+    )
     assert rc == 0, out[-3000:]
     rows = read_metrics(run_dir)
     assert all(r["policy/staleness_max"] <= 2 for r in rows)
     assert sum(r["rollouts/dropped_stale"] for r in rows) > 0
-    assert max(r["policy/staleness_max"] for r in rows) >= 1  # off-policy rollouts were used, not just dropped
+    assert (
+        max(r["policy/staleness_max"] for r in rows) >= 1
+    )  # off-policy rollouts were used, not just dropped
 
 
 def test_sigterm_stops_everything_and_resume_continues(tmp_path):
@@ -126,18 +160,40 @@ def test_sigterm_stops_everything_and_resume_continues(tmp_path):
 def test_gsm8k_dry_run_prints_the_reference_run():
     rc, out, _ = run_launch(["bash", str(ROOT / "launch.sh"), "gsm8k", "--dry-run"], 120)
     assert rc == 0, out
-    for needle in ("path: meta-llama/Llama-3.1-8B-Instruct", "rank: 32", "lr: 4.0e-05", "beta2: 0.95",
-                   "name: importance_sampling", "group_size: 16", "groups_per_step: 8", "max_staleness: 3",
-                   "temperature: 1.0", "max_new_tokens: 256", "--env.group_size=16", "--env.batch_size=128",
-                   "environments.gsm8k serve", "-m inference", "atroposlib.cli.run_api", "trainer run"):
+    for needle in (
+        "path: meta-llama/Llama-3.1-8B-Instruct",
+        "rank: 32",
+        "lr: 4.0e-05",
+        "beta2: 0.95",
+        "name: importance_sampling",
+        "group_size: 16",
+        "groups_per_step: 8",
+        "max_staleness: 3",
+        "temperature: 1.0",
+        "max_new_tokens: 256",
+        "--env.group_size=16",
+        "--env.batch_size=128",
+        "environments.gsm8k serve",
+        "-m inference",
+        "uvicorn atroposlib.api:app --fd",
+        "trainer run",
+        "# gateway.yaml",
+        "sampler: vllm",
+    ):
         assert needle in out, needle
 
 
 def test_gsm8k_offline_stops_fast_and_says_what_is_missing():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     started = time.monotonic()
-    proc = subprocess.run(["bash", str(ROOT / "launch.sh"), "gsm8k"], capture_output=True, text=True, env=env,
-                          timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch.sh"), "gsm8k"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert time.monotonic() - started < 60
     assert proc.returncode == 2
     assert "model.path" in proc.stderr and "data_path" in proc.stderr

@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from tests.helpers import FIXTURE
-from trainer.backends.base import AdamParams
+from trainer.backends.local import LocalBackend
 from trainer.training.batch import IntakeOptions, TrainingExample, convert_batch
 from trainer.training.config import RunConfig
-from trainer.backends.local import LocalBackend
 from trainer.training.logprobs import compute_token_logprobs
 from trainer.training.losses import LossParams
-from trainer.training.schedule import build_adam_params
+from trainer.training.schedule import adam_params, build_adam_params
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
@@ -25,8 +24,12 @@ def make_cfg(tmp_path: Path, **over) -> RunConfig:
     data = {
         "model": {"path": "tiny"},
         "lora": {"rank": 8, "alpha": 32, "target_modules": ALL_TARGETS, "dropout": 0.0},
-        "trainer": {"output_dir": str(tmp_path), "max_seq_len": 64, "micro_batch_tokens": 256,
-                    "logprob_chunk_tokens": 16},
+        "trainer": {
+            "output_dir": str(tmp_path),
+            "max_seq_len": 64,
+            "micro_batch_tokens": 256,
+            "logprob_chunk_tokens": 16,
+        },
     }
     for key, value in over.items():
         section, name = key.split("__")
@@ -48,8 +51,12 @@ def test_fresh_adapter_reproduces_sampler_logprobs(tmp_path, fixture_examples):
     """The fixture was sampled from the base model; a fresh LoRA (B = 0) must give the same logprobs."""
     backend = LocalBackend(make_cfg(tmp_path))
     result = backend.forward_backward(fixture_examples, LossParams("importance_sampling"))
-    diffs = [abs(t - s) for ex, lp in zip(fixture_examples, result.trainer_logprobs, strict=False)
-             for t, s, m in zip(lp, ex.sampler_logprobs, ex.loss_mask, strict=False) if m]
+    diffs = [
+        abs(t - s)
+        for ex, lp in zip(fixture_examples, result.trainer_logprobs, strict=False)
+        for t, s, m in zip(lp, ex.sampler_logprobs, ex.loss_mask, strict=False)
+        if m
+    ]
     assert len(diffs) == sum(ex.num_trained for ex in fixture_examples)
     assert max(diffs) < 1e-4, f"max |trainer - sampler| = {max(diffs)}"
     assert result.metrics["importance/logprob_diff_mean"] < 1e-5
@@ -65,7 +72,9 @@ def test_chunked_logprobs_match_full_log_softmax():
     select = torch.rand(3, 5) > 0.3
     temp = torch.tensor([1.0, 0.5, 2.0])
     got = compute_token_logprobs(head, hidden, targets, select, temp, chunk_tokens=2)
-    ref = torch.log_softmax(head(hidden).double() / temp[:, None, None].double(), -1).gather(2, targets[..., None])[..., 0]
+    ref = torch.log_softmax(head(hidden).double() / temp[:, None, None].double(), -1).gather(
+        2, targets[..., None]
+    )[..., 0]
     ref = torch.where(select, ref, torch.zeros_like(ref))
     assert (got.double() - ref).abs().max() < 1e-5
     g_got = torch.autograd.grad(got.sum(), [hidden, head.weight])
@@ -76,7 +85,9 @@ def test_chunked_logprobs_match_full_log_softmax():
 
 def test_sft_steps_move_only_lora_and_lower_loss(tmp_path, fixture_examples):
     backend = LocalBackend(make_cfg(tmp_path))
-    frozen_before = {n: p.detach().clone() for n, p in backend.model.named_parameters() if not p.requires_grad}
+    frozen_before = {
+        n: p.detach().clone() for n, p in backend.model.named_parameters() if not p.requires_grad
+    }
     lora_before = lora_state(backend)
     assert lora_before and all("lora_" in n for n in lora_before)
     examples = fixture_examples[:4]
@@ -84,7 +95,7 @@ def test_sft_steps_move_only_lora_and_lower_loss(tmp_path, fixture_examples):
     for _ in range(5):
         fb = backend.forward_backward(examples, LossParams("cross_entropy"), "token_mean")
         losses.append(fb.loss)
-        metrics = backend.optim_step(AdamParams(learning_rate=1e-2, grad_clip_norm=1.0))
+        metrics = backend.optim_step(adam_params(1e-2, grad_clip_norm=1.0))
         assert metrics["optim/grad_norm"] > 0 and metrics["optim/skipped_nonfinite"] == 0
     assert losses[-1] < losses[0] - 0.5, losses
     for n, p in backend.model.named_parameters():
@@ -102,12 +113,15 @@ def test_saved_adapter_reloads_in_peft_with_identical_logits(tmp_path, fixture_e
     backend = LocalBackend(make_cfg(tmp_path))
     for _ in range(2):
         backend.forward_backward(fixture_examples[:4], LossParams("importance_sampling"))
-        backend.optim_step(AdamParams(learning_rate=1e-2))
+        backend.optim_step(adam_params(1e-2))
     path = Path(backend.save_for_sampler(1))
     assert path.name == "v000001" and sorted(p.name for p in path.iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors"]
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     assert not list(path.parent.glob(".*")), "temp folder left behind"
     from safetensors.torch import load_file
+
     saved = load_file(str(path / "adapter_model.safetensors"))
     assert all("lora_" in k for k in saved) and all(v.dtype == torch.float32 for v in saved.values())
     with pytest.raises(FileExistsError):
@@ -131,7 +145,9 @@ def test_saved_adapter_reloads_in_peft_with_identical_logits(tmp_path, fixture_e
 def test_resume_reproduces_next_step_bit_for_bit(tmp_path, fixture_examples):
     # LoRA dropout makes the step depend on the RNG, so the RNG state must be restored too.
     # The LR schedule (warmup) depends on the restored step count.
-    cfg = make_cfg(tmp_path, lora__dropout=0.1, optim__lr=5e-3, optim__weight_decay=0.01, optim__warmup_steps=4)
+    cfg = make_cfg(
+        tmp_path, lora__dropout=0.1, optim__lr=5e-3, optim__weight_decay=0.01, optim__warmup_steps=4
+    )
     loss = LossParams("ppo")
     first = LocalBackend(cfg)
     first.forward_backward(fixture_examples, loss)
@@ -168,7 +184,9 @@ def test_micro_batching_equals_one_big_batch(tmp_path, fixture_examples):
     for budget in (64, 4096):
         backend = LocalBackend(make_cfg(tmp_path / str(budget), trainer__micro_batch_tokens=budget))
         fb = backend.forward_backward(fixture_examples, LossParams("grpo"), "seq_mean_token_mean")
-        grads.append(({n: p.grad.clone() for n, p in backend.model.named_parameters() if p.requires_grad}, fb))
+        grads.append(
+            ({n: p.grad.clone() for n, p in backend.model.named_parameters() if p.requires_grad}, fb)
+        )
     (g_small, fb_small), (g_big, fb_big) = grads
     assert fb_small.metrics["perf/micro_batches"] > fb_big.metrics["perf/micro_batches"] == 1
     assert fb_small.loss == pytest.approx(fb_big.loss, rel=1e-5, abs=1e-7)
@@ -181,7 +199,9 @@ def test_gradient_checkpointing_gives_same_gradients(tmp_path, fixture_examples)
     for ckpt in (False, True):
         backend = LocalBackend(make_cfg(tmp_path / str(ckpt), model__gradient_checkpointing=ckpt))
         fb = backend.forward_backward(fixture_examples[:4], LossParams("cross_entropy"))
-        out.append((fb.loss, {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.requires_grad}))
+        out.append(
+            (fb.loss, {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.requires_grad})
+        )
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-6)
     for n in out[0][1]:
         assert torch.allclose(out[0][1][n], out[1][1][n], atol=1e-6), n
@@ -192,7 +212,7 @@ def test_nonfinite_gradient_skips_the_update(tmp_path, fixture_examples):
     backend.forward_backward(fixture_examples[:2], LossParams("cross_entropy"))
     before = lora_state(backend)
     next(p for p in backend.params).grad[0, 0] = float("nan")
-    metrics = backend.optim_step(AdamParams(learning_rate=1e-2))
+    metrics = backend.optim_step(adam_params(1e-2))
     assert metrics["optim/skipped_nonfinite"] == 1
     assert all(torch.equal(before[n], p) for n, p in lora_state(backend).items())
     assert all(p.grad is None for p in backend.params)

@@ -9,9 +9,9 @@ import pytest
 
 from environments.gsm8k import extract_gold, score_completion
 from environments.toy import compute_target_ids, compute_toy_reward
-from trainer.training.config import ConfigError, RunConfig, load_config
 from trainer.orchestration.commands import build_components, env_command
 from trainer.orchestration.launcher import progress_line
+from trainer.training.config import ConfigError, RunConfig, load_config
 from trainer.training.loop import _truncate_metrics, split_by_staleness
 
 ROOT = Path(__file__).parent.parent
@@ -36,8 +36,11 @@ def test_truncate_metrics_on_resume(tmp_path):
 
 
 def test_env_command_uses_key_equals_value_and_a_server_list():
-    cfg = load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml",
-                      ["launch.run_api_url=http://127.0.0.1:1", "launch.gateway_url=http://127.0.0.1:2"])
+    cfg = load_config(
+        RunConfig,
+        ROOT / "configs" / "tiny_cpu.yaml",
+        ["launch.run_api_url=http://127.0.0.1:1", "launch.gateway_url=http://127.0.0.1:2"],
+    )
     argv = env_command(cfg, "/m", worker=0)
     assert argv[1:4] == ["-m", "environments.toy", "serve"]
     flags = dict(a[2:].split("=", 1) for a in argv[4:])
@@ -51,8 +54,11 @@ def test_env_command_uses_key_equals_value_and_a_server_list():
 def test_any_env_file_gets_only_base_flags(tmp_path):
     env_file = tmp_path / "my_env.py"
     env_file.write_text("# an Atropos env\n")
-    cfg = load_config(RunConfig, None, [f"rollout.env={env_file}", "launch.run_api_url=http://h:1",
-                                        "launch.gateway_url=http://h:2"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [f"rollout.env={env_file}", "launch.run_api_url=http://h:1", "launch.gateway_url=http://h:2"],
+    )
     argv = env_command(cfg, "/m", 0)
     assert argv[1] == str(env_file) and not any("temperature" in a for a in argv)
     with pytest.raises(ConfigError, match="unknown environment"):
@@ -66,9 +72,19 @@ def test_components_in_start_order(tmp_path):
 
 
 def test_progress_line_handles_steps_without_update():
-    row = {"step": 3, "policy_version": 2, "reward/mean": 0.5, "loss": None, "time/step_s": 1.0,
-           "time/wait_for_batch_s": 0.5, "time/train_s": 0.0, "time/publish_s": 0.0,
-           "policy/staleness_mean": 1.0, "policy/staleness_max": 1.0, "rollouts/dropped_stale": 0.0}
+    row = {
+        "step": 3,
+        "policy_version": 2,
+        "reward/mean": 0.5,
+        "loss": None,
+        "time/step_s": 1.0,
+        "time/wait_for_batch_s": 0.5,
+        "time/train_s": 0.0,
+        "time/publish_s": 0.0,
+        "policy/staleness_mean": 1.0,
+        "policy/staleness_max": 1.0,
+        "rollouts/dropped_stale": 0.0,
+    }
     line = progress_line(row, 10)
     assert "step    3/10" in line and "loss -" in line and "v2" in line
 
@@ -95,10 +111,23 @@ def test_gsm8k_grading():
 def test_summary_idle_share_and_rewards():
     from trainer.orchestration.summary import summarize
 
-    rows = [{"step": i, "policy_version": i, "reward/mean": r, "loss": 0.1, "time/step_s": 2.0,
-             "time/wait_for_batch_s": 0.5, "time/train_s": 1.4, "time/publish_s": 0.1, "policy/staleness_mean": 1.0,
-             "rollouts/dropped_stale": 0.0, "importance/logprob_diff_mean": 1e-5, "wall_s": 2.0 * i}
-            for i, r in enumerate([0.1, 0.2, 0.3, 0.9, 1.0, 1.0], start=1)]
+    rows = [
+        {
+            "step": i,
+            "policy_version": i,
+            "reward/mean": r,
+            "loss": 0.1,
+            "time/step_s": 2.0,
+            "time/wait_for_batch_s": 0.5,
+            "time/train_s": 1.4,
+            "time/publish_s": 0.1,
+            "policy/staleness_mean": 1.0,
+            "rollouts/dropped_stale": 0.0,
+            "importance/logprob_diff_mean": 1e-5,
+            "wall_s": 2.0 * i,
+        }
+        for i, r in enumerate([0.1, 0.2, 0.3, 0.9, 1.0, 1.0], start=1)
+    ]
     s = summarize(rows)
     assert s["idle_share"] == 0.25 and s["reward_first3"] == pytest.approx(0.2)
     assert s["reward_last3"] == pytest.approx(2.9 / 3) and s["publish_s_median"] == 0.1
@@ -134,8 +163,11 @@ def test_resume_takes_overrides_after_the_run_folder(tmp_path, capsys):
 
     from trainer.orchestration.launcher import main
 
-    cfg = load_config(RunConfig, Path(__file__).parent.parent / "configs" / "tiny_cpu.yaml",
-                      [f"trainer.output_dir={tmp_path}"])
+    cfg = load_config(
+        RunConfig,
+        Path(__file__).parent.parent / "configs" / "tiny_cpu.yaml",
+        [f"trainer.output_dir={tmp_path}"],
+    )
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     assert main(["--resume", str(tmp_path), "rollout.num_steps=50", "optim.lr=0.5", "--dry-run"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out.split("# commands")[0])

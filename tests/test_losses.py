@@ -50,10 +50,15 @@ def reference_loss(name, lp_BT, lq_BT, adv_BT, mask_BT, p, reduction) -> float:
         for t in range(T):
             if mask_BT[b, t] == 0:
                 continue
-            tok = reference_token_loss(name, float(lp_BT[b, t]), float(lq_BT[b, t]), float(adv_BT[b, t]),
-                                       float(mask_BT[b, t]), p)
-            scale = {"sum": 1.0, "token_mean": 1.0 / n_tokens, "seq_mean_token_sum": 1.0 / B,
-                     "seq_mean_token_mean": 1.0 / (seq_tokens * B)}[reduction]
+            tok = reference_token_loss(
+                name, float(lp_BT[b, t]), float(lq_BT[b, t]), float(adv_BT[b, t]), float(mask_BT[b, t]), p
+            )
+            scale = {
+                "sum": 1.0,
+                "token_mean": 1.0 / n_tokens,
+                "seq_mean_token_sum": 1.0 / B,
+                "seq_mean_token_mean": 1.0 / (seq_tokens * B),
+            }[reduction]
             total += tok * scale
     return total
 
@@ -71,16 +76,22 @@ def reference_grad(name, lp_BT, lq_BT, adv_BT, mask_BT, p, reduction) -> torch.T
         for t in range(lp_BT.shape[1]):
             if mask_BT[b, t] == 0:
                 continue
-            scale = {"sum": 1.0, "token_mean": 1.0 / n_tokens, "seq_mean_token_sum": 1.0 / B,
-                     "seq_mean_token_mean": 1.0 / (seq_tokens * B)}[reduction]
+            scale = {
+                "sum": 1.0,
+                "token_mean": 1.0 / n_tokens,
+                "seq_mean_token_sum": 1.0 / B,
+                "seq_mean_token_mean": 1.0 / (seq_tokens * B),
+            }[reduction]
             lp, lq, a, w = (float(x[b, t]) for x in (lp_BT, lq_BT, adv_BT, mask_BT))
             if name == "cispo":
                 r = min(math.exp(lp - lq), p.tis_cap or math.inf)
                 g = -min(max(r, low), high) * a * w
             else:
                 c = tis_shift(lp, lq, p)  # held fixed: it is a stop-gradient constant
-                g = (reference_token_loss(name, lp + eps, lq, a, w, p, c)
-                     - reference_token_loss(name, lp - eps, lq, a, w, p, c)) / (2 * eps)
+                g = (
+                    reference_token_loss(name, lp + eps, lq, a, w, p, c)
+                    - reference_token_loss(name, lp - eps, lq, a, w, p, c)
+                ) / (2 * eps)
             grad[b, t] = g * scale
     return grad
 
@@ -99,7 +110,9 @@ def make_inputs(seed: int = 0, B: int = 3, T: int = 7, spread: float = 0.5, dtyp
 def run_loss(lp, lq, adv, mask, p, reduction="sum", B_total=None, tokens_total=None):
     lp = lp.clone().requires_grad_(True)
     weights = compute_reduction_weights(
-        mask, reduction, float(mask.sum()) if tokens_total is None else tokens_total,
+        mask,
+        reduction,
+        float(mask.sum()) if tokens_total is None else tokens_total,
         lp.shape[0] if B_total is None else B_total,
     )
     loss, metrics = compute_loss(LossInputs(lp, lq, adv, mask, weights), p)
@@ -115,7 +128,9 @@ def test_value_and_grad_match_float64_reference(name, reduction):
     loss, grad, _ = run_loss(lp, lq, adv, mask, p, reduction)
     ref = reference_loss(name, lp.double(), lq.double(), adv.double(), mask.double(), p, reduction)
     ref_grad = reference_grad(name, lp.double(), lq.double(), adv.double(), mask.double(), p, reduction)
-    assert loss.item() == pytest.approx(ref, rel=1e-5, abs=1e-6), f"{name}/{reduction}: {loss.item()} vs {ref}"
+    assert loss.item() == pytest.approx(ref, rel=1e-5, abs=1e-6), (
+        f"{name}/{reduction}: {loss.item()} vs {ref}"
+    )
     diff = (grad.double() - ref_grad).abs().max().item()
     assert diff < 1e-4, f"{name}/{reduction}: max grad diff {diff}"
 
@@ -143,7 +158,9 @@ def test_importance_sampling_gradient_is_ratio_times_advantage():
 def test_custom_clip_thresholds_are_used():
     lp, lq, adv, mask = make_inputs(seed=7, spread=0.6)
     default, _, m_default = run_loss(lp, lq, adv, mask, LossParams("ppo"))
-    tight, _, m_tight = run_loss(lp, lq, adv, mask, LossParams("ppo", clip_low_threshold=0.95, clip_high_threshold=1.05))
+    tight, _, m_tight = run_loss(
+        lp, lq, adv, mask, LossParams("ppo", clip_low_threshold=0.95, clip_high_threshold=1.05)
+    )
     assert m_tight["importance/clipped_tokens"] > m_default["importance/clipped_tokens"]
     assert tight.item() != pytest.approx(default.item())
 
@@ -154,13 +171,15 @@ def test_padding_with_mask_zero_changes_nothing(name):
     p = LossParams(name=name)
     loss, grad, metrics = run_loss(lp, lq, adv, mask, p, "seq_mean_token_mean")
     pad = 5
-    junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -3.0])[None].expand(lp.shape[0], pad)
+    junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -3.0])[None].expand(
+        lp.shape[0], pad
+    )
     padded = [torch.cat([x, junk], dim=1) for x in (lp, lq, adv)]
     padded_mask = torch.cat([mask, torch.zeros(mask.shape[0], pad)], dim=1)
     loss_p, grad_p, metrics_p = run_loss(*padded, padded_mask, p, "seq_mean_token_mean")
     assert loss_p.item() == pytest.approx(loss.item(), rel=1e-6, abs=1e-7)
     assert torch.equal(grad_p[:, : lp.shape[1]], grad)
-    assert torch.all(grad_p[:, lp.shape[1]:] == 0)
+    assert torch.all(grad_p[:, lp.shape[1] :] == 0)
     assert metrics_p == metrics
 
 
@@ -173,8 +192,9 @@ def test_grad_accumulation_equals_one_big_batch(name, reduction):
     total_tokens = float(mask.sum())
     parts, grads, loss_sum = [], [], 0.0
     for rows in (slice(0, 1), slice(1, 4)):
-        loss, grad, metrics = run_loss(lp[rows], lq[rows], adv[rows], mask[rows], p, reduction,
-                                       B_total=4, tokens_total=total_tokens)
+        loss, grad, metrics = run_loss(
+            lp[rows], lq[rows], adv[rows], mask[rows], p, reduction, B_total=4, tokens_total=total_tokens
+        )
         loss_sum += loss.item()
         grads.append(grad)
         parts.append(metrics)
@@ -202,7 +222,9 @@ def test_mismatch_kl_is_k3_estimate():
     log_r = (lp - lq).double()[sel]
     expected = (torch.exp(log_r) - 1 - log_r).mean().item()
     assert finalize_metrics([metrics])["importance/mismatch_kl"] == pytest.approx(expected, rel=1e-6)
-    assert finalize_metrics([metrics])["importance/logprob_diff_mean"] == pytest.approx(log_r.abs().mean().item())
+    assert finalize_metrics([metrics])["importance/logprob_diff_mean"] == pytest.approx(
+        log_r.abs().mean().item()
+    )
 
 
 @pytest.mark.parametrize("name", ALL_LOSSES)

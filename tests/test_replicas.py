@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from trainer.orchestration.gateway_process import spawn_gateway
-from trainer.training.gateway_client import GatewayClient
 from tests.helpers import FIXTURE, group_alive
+from trainer.orchestration.gateway_process import spawn_gateway
 from trainer.training.batch import IntakeOptions, convert_batch
+from trainer.training.gateway_client import GatewayClient
 from trainer.training.losses import LossParams
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
@@ -27,24 +27,30 @@ def served_names(url: str) -> set[str]:
 
 
 def generate(url: str) -> httpx.Response:
-    return httpx.post(f"{url}/generate", timeout=60, json={"prompt": {"prompt_token_ids": [5, 6, 7]}, "max_tokens": 2})
+    return httpx.post(
+        f"{url}/generate", timeout=60, json={"prompt": {"prompt_token_ids": [5, 6, 7]}, "max_tokens": 2}
+    )
 
 
 def test_two_replicas_publish_failover_and_catch_up(tmp_path):
     from tests.test_local_backend import make_cfg
-    from trainer.backends.base import AdamParams
     from trainer.backends.local import LocalBackend
+    from trainer.training.schedule import adam_params
 
     examples = convert_batch(json.loads(FIXTURE.read_text())["batch"], IntakeOptions(2048, 64)).examples
     trainer = LocalBackend(make_cfg(tmp_path / "train"))
     adapters = {}
     for version in (1, 2):
         trainer.forward_backward(examples[:4], LossParams("importance_sampling"))
-        trainer.optim_step(AdamParams(learning_rate=1e-2))
+        trainer.optim_step(adam_params(1e-2))
         adapters[version] = trainer.save_for_sampler(version)
 
-    with spawn_gateway(str(ROOT / "configs" / "tiny_cpu.yaml"), ["inference.vllm.replicas=2"], tmp_path / "logs",
-                       timeout_s=400) as (url, _):
+    with spawn_gateway(
+        str(ROOT / "configs" / "tiny_cpu.yaml"),
+        ["inference.vllm.replicas=2"],
+        tmp_path / "logs",
+        timeout_s=400,
+    ) as (url, _):
         client = GatewayClient(url)
         status = client.status()
         replica_urls = (status.backend_url or "").split(",")

@@ -28,9 +28,22 @@ def test_sbatch_launch_learns_the_toy_task_and_leaves_nothing_behind(tmp_path):
     run_dir, job_out = tmp_path / "run", tmp_path / "job.out"
     with SlurmCluster(tmp_path / "slurm") as cluster:
         # Override the GPU/CPU/memory defaults of launch.sh's #SBATCH header for this 2-core, GPU-less node.
-        job = cluster.sbatch(["--gpus-per-node=0", "--cpus-per-task=2", "--mem=0", "--time=15",
-                              f"--output={job_out}", "launch.sh", "toy", "--config", "configs/tiny_cpu.yaml",
-                              f"trainer.output_dir={run_dir}", "launch.slurm_bind_host=127.0.0.1"], cwd=ROOT)
+        job = cluster.sbatch(
+            [
+                "--gpus-per-node=0",
+                "--cpus-per-task=2",
+                "--mem=0",
+                "--time=15",
+                f"--output={job_out}",
+                "launch.sh",
+                "toy",
+                "--config",
+                "configs/tiny_cpu.yaml",
+                f"trainer.output_dir={run_dir}",
+                "launch.slurm_bind_host=127.0.0.1",
+            ],
+            cwd=ROOT,
+        )
         info = cluster.wait_job(job, timeout_s=600)
         out = job_out.read_text() if job_out.exists() else "(no job output)"
         assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-3000:]}"
@@ -50,8 +63,16 @@ def test_sbatch_launch_learns_the_toy_task_and_leaves_nothing_behind(tmp_path):
     for name in ("run-api", "gateway", "env", "trainer"):
         assert (run_dir / "logs" / f"{name}.log").read_text().startswith("=== srun --jobid=")
     started = datetime.fromisoformat(info["StartTime"]).timestamp()
-    print(json.dumps({"slurm_start_to_first_step_s": round(rows[0]["unix_time"] - started, 1),
-                      "slurm_start_to_end_s": round(datetime.fromisoformat(info["EndTime"]).timestamp() - started, 1)}))
+    print(
+        json.dumps(
+            {
+                "slurm_start_to_first_step_s": round(rows[0]["unix_time"] - started, 1),
+                "slurm_start_to_end_s": round(
+                    datetime.fromisoformat(info["EndTime"]).timestamp() - started, 1
+                ),
+            }
+        )
+    )
 
 
 def test_scancel_mid_run_stops_every_step_and_leaves_a_checkpoint(tmp_path):
@@ -64,14 +85,28 @@ def test_scancel_mid_run_stops_every_step_and_leaves_a_checkpoint(tmp_path):
     run_dir, job_out = tmp_path / "run", tmp_path / "job.out"
     sbatch_args = ["--gpus-per-node=0", "--cpus-per-task=2", "--mem=0", "--time=15"]
     with SlurmCluster(tmp_path / "slurm") as cluster:
-        job = cluster.sbatch([*sbatch_args, f"--output={job_out}", "launch.sh", "toy", "--config",
-                              "configs/tiny_cpu.yaml", f"trainer.output_dir={run_dir}", "trainer.checkpoint_every=2",
-                              "launch.slurm_bind_host=127.0.0.1"], cwd=ROOT)
+        job = cluster.sbatch(
+            [
+                *sbatch_args,
+                f"--output={job_out}",
+                "launch.sh",
+                "toy",
+                "--config",
+                "configs/tiny_cpu.yaml",
+                f"trainer.output_dir={run_dir}",
+                "trainer.checkpoint_every=2",
+                "launch.slurm_bind_host=127.0.0.1",
+            ],
+            cwd=ROOT,
+        )
         metrics = run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 400
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
             state = cluster.job_state(job).get("JobState")
-            assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (state, job_out.read_text())
+            assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (
+                state,
+                job_out.read_text(),
+            )
             time.sleep(0.5)
         cluster.run_client(["scancel", str(job)])
         info = cluster.wait_job(job, timeout_s=120)
@@ -86,14 +121,33 @@ def test_scancel_mid_run_stops_every_step_and_leaves_a_checkpoint(tmp_path):
 
 def test_dry_run_prints_a_multi_node_placement():
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.orchestration.launcher", "toy", "--config", "configs/tiny_cpu.yaml", "--dry-run",
-         "--slurm-nodes", "gpu[01-03]", "distributed.nnodes=2", "distributed.nproc_per_node=4",
-         "rollout.env_workers=2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "trainer.orchestration.launcher",
+            "toy",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            "--dry-run",
+            "--slurm-nodes",
+            "gpu[01-03]",
+            "distributed.nnodes=2",
+            "distributed.nproc_per_node=4",
+            "rollout.env_workers=2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "on 3 node(s): gpu01,gpu02,gpu03" in out
-    lines = {line.split(":", 1)[0]: line for line in out.splitlines() if line.startswith(("run-api:", "gateway:",
-                                                                                          "env-", "trainer:"))}
+    lines = {
+        line.split(":", 1)[0]: line
+        for line in out.splitlines()
+        if line.startswith(("run-api:", "gateway:", "env-", "trainer:"))
+    }
     assert "--nodelist=gpu01 " in lines["run-api"] and "--host 0.0.0.0" in lines["run-api"]
     assert "--nodelist=gpu01 " in lines["gateway"]
     assert "--nodelist=gpu03 " in lines["env-0"] and "--nodelist=gpu03 " in lines["env-1"]
@@ -105,35 +159,70 @@ def test_dry_run_prints_a_multi_node_placement():
 
 def test_placement_errors_name_the_fix():
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.orchestration.launcher", "toy", "--config", "configs/tiny_cpu.yaml", "--dry-run",
-         "--slurm-nodes", "n[1-2]", "distributed.nnodes=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "trainer.orchestration.launcher",
+            "toy",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            "--dry-run",
+            "--slurm-nodes",
+            "n[1-2]",
+            "distributed.nnodes=3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "distributed.nnodes=3 but the job has 2 node(s)" in proc.stderr
     assert "--nodes=3" in proc.stderr
 
 
 def test_slurm_placement_binds_all_interfaces_with_a_publish_token_and_derived_ports():
     from inference.config import GatewayConfig
-    from trainer.training.config import RunConfig, load_config
-    from trainer.orchestration.launcher import place_on_slurm
+    from trainer.orchestration.launcher import gateway_section, place_on_slurm
     from trainer.orchestration.slurm import SlurmJob, derive_ports
+    from trainer.training.config import RunConfig, load_config
 
     cfg = load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml", ["rollout.env_workers=3"])
-    placement = place_on_slurm(cfg, SlurmJob(123457, ["a1", "a2"]))
+    placement, address = place_on_slurm(cfg, SlurmJob(123457, ["a1", "a2"]))
     ports = derive_ports(123457)
-    assert (ports.run_api, ports.gateway, ports.rendezvous) == (20000 + 3457 * 4, 20000 + 3457 * 4 + 1,
-                                                                 20000 + 3457 * 4 + 2)
-    assert cfg.launch.run_api_url == f"http://a1:{ports.run_api}" and cfg.launch.gateway_url == f"http://a1:{ports.gateway}"
-    assert cfg.inference.host == "0.0.0.0" and len(cfg.inference.publish_token or "") >= 24
-    GatewayConfig.model_validate(cfg.inference.model_dump())  # what the gateway process will load
+    assert (ports.run_api, ports.gateway, ports.rendezvous) == (
+        20000 + 3457 * 4,
+        20000 + 3457 * 4 + 1,
+        20000 + 3457 * 4 + 2,
+    )
+    assert (
+        cfg.launch.run_api_url == f"http://a1:{ports.run_api}"
+        and cfg.launch.gateway_url == f"http://a1:{ports.gateway}"
+    )
+    assert address == {"host": "0.0.0.0", "port": ports.gateway} and len(cfg.inference["publish_token"]) >= 24
+    section = gateway_section(
+        cfg, "/m", address
+    )  # validated by the gateway's own model, in its own interpreter
+    loaded = GatewayConfig.model_validate(section)  # what the gateway process will load
+    assert (loaded.host, loaded.port, loaded.publish_token) == (
+        "0.0.0.0",
+        ports.gateway,
+        cfg.inference["publish_token"],
+    )
     assert placement.hosts["trainer"] == ["a1"] and placement.hosts["gateway"] == ["a1"]
     assert [placement.hosts[f"env-{w}"] for w in range(3)] == [["a2"], ["a2"], ["a2"]]
 
 
 def test_nodelist_parsing_matches_scontrol_forms():
-    from trainer.training.config import ConfigError
     from trainer.orchestration.slurm import parse_nodelist
+    from trainer.training.config import ConfigError
 
-    assert parse_nodelist("gpu[01-03,7],cpu1") == ["gpu01", "gpu02", "gpu03", "gpu7", "cpu1"]  # as scontrol prints
+    assert parse_nodelist("gpu[01-03,7],cpu1") == [
+        "gpu01",
+        "gpu02",
+        "gpu03",
+        "gpu7",
+        "cpu1",
+    ]  # as scontrol prints
     assert parse_nodelist("n[1-2]-ib[0-1]") == ["n1-ib0", "n1-ib1", "n2-ib0", "n2-ib1"]
     with pytest.raises(ConfigError, match="not a number"):
         parse_nodelist("gpu[a-b]")

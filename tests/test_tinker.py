@@ -24,11 +24,11 @@ from inference.policy import PolicyRegistry  # noqa: E402
 from inference.tinker_backend import TinkerSamplingBackend  # noqa: E402
 from tests.fake_tinker import make_service_client  # noqa: E402
 from tests.helpers import FIXTURE  # noqa: E402
-from trainer.backends.base import AdamParams  # noqa: E402
+from trainer.backends.tinker import TinkerBackend, wait  # noqa: E402
 from trainer.training.batch import IntakeOptions, convert_batch  # noqa: E402
 from trainer.training.config import ConfigError, RunConfig, load_config  # noqa: E402
 from trainer.training.losses import LossParams  # noqa: E402
-from trainer.backends.tinker import TinkerBackend, wait  # noqa: E402
+from trainer.training.schedule import adam_params  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 FACTORY = "tinker.client_factory=tests.fake_tinker:make_service_client"
@@ -41,8 +41,11 @@ def fake_root(tmp_path, monkeypatch):
 
 
 def tiny_cfg(tmp_path: Path, *overrides: str) -> RunConfig:
-    return load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml",
-                       [f"trainer.output_dir={tmp_path / 'run'}", "launch.backend=tinker", *overrides])
+    return load_config(
+        RunConfig,
+        ROOT / "configs" / "tiny_cpu.yaml",
+        [f"trainer.output_dir={tmp_path / 'run'}", "launch.backend=tinker", *overrides],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,22 +53,36 @@ def examples():
     return convert_batch(json.loads(FIXTURE.read_text())["batch"], IntakeOptions(2048, 64)).examples
 
 
-@pytest.mark.parametrize("name,reduction", [("importance_sampling", "sum"), ("ppo", "seq_mean_token_sum"),
-                                            ("cispo", "token_mean"), ("grpo", "seq_mean_token_mean"),
-                                            ("cross_entropy", "token_mean")])
+@pytest.mark.parametrize(
+    "name,reduction",
+    [
+        ("importance_sampling", "sum"),
+        ("ppo", "seq_mean_token_sum"),
+        ("cispo", "token_mean"),
+        ("grpo", "seq_mean_token_mean"),
+        ("cross_entropy", "token_mean"),
+    ],
+)
 def test_tinker_path_gives_the_local_loss_and_gradients(fake_root, examples, tokenizer_path, name, reduction):
     """Tinker only sums; reductions ride on scaled advantages/weights. Same loss, same gradients."""
     from transformers import AutoTokenizer
 
     from trainer.backends.local import LocalBackend
 
-    remote = TinkerBackend(tiny_cfg(fake_root, FACTORY), tokenizer=AutoTokenizer.from_pretrained(tokenizer_path))
-    local = LocalBackend(load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml",
-                                     [f"trainer.output_dir={fake_root / 'local'}"]))
+    remote = TinkerBackend(
+        tiny_cfg(fake_root, FACTORY), tokenizer=AutoTokenizer.from_pretrained(tokenizer_path)
+    )
+    local = LocalBackend(
+        load_config(
+            RunConfig, ROOT / "configs" / "tiny_cpu.yaml", [f"trainer.output_dir={fake_root / 'local'}"]
+        )
+    )
     a = remote.forward_backward(examples, LossParams(name), reduction)
     b = local.forward_backward(examples, LossParams(name), reduction)
     assert a.loss == pytest.approx(b.loss, rel=1e-5, abs=1e-6)
-    assert a.metrics["importance/logprob_diff_mean"] == pytest.approx(b.metrics["importance/logprob_diff_mean"])
+    assert a.metrics["importance/logprob_diff_mean"] == pytest.approx(
+        b.metrics["importance/logprob_diff_mean"]
+    )
     remote_grads = {n: p.grad for n, p in remote.client.backend.model.named_parameters() if p.requires_grad}
     for n, p in local.model.named_parameters():
         if p.requires_grad:
@@ -78,7 +95,7 @@ def test_train_step_save_and_resume(fake_root, examples, tokenizer_path):
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     cfg = tiny_cfg(fake_root, FACTORY)
     backend = TinkerBackend(cfg, tokenizer=tok)
-    fb, optim = backend.train_step(examples, LossParams("importance_sampling"), "sum", AdamParams(1e-2))
+    fb, optim = backend.train_step(examples, LossParams("importance_sampling"), "sum", adam_params(1e-2))
     assert optim["optim/grad_norm"] > 0 and backend.step == 1 and fb.trainer_logprobs
     assert backend.save_for_sampler(1).startswith("tinker://")
     ckpt = backend.save_state("step-000001")
@@ -95,7 +112,9 @@ def test_train_step_save_and_resume(fake_root, examples, tokenizer_path):
         backend.forward_backward(examples, LossParams("importance_sampling", tis_cap=2.0))
 
 
-@pytest.mark.parametrize("key,needle", [(None, "TINKER_API_KEY is not set"), ("sk-123", "does not look like")])
+@pytest.mark.parametrize(
+    "key,needle", [(None, "TINKER_API_KEY is not set"), ("sk-123", "does not look like")]
+)
 def test_key_errors_are_immediate(tmp_path, monkeypatch, key, needle):
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
     if key:
@@ -121,9 +140,23 @@ def test_a_silent_service_times_out_with_a_message():
 
 def test_launch_refuses_tinker_without_a_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TINKER_API_KEY"}
-    proc = subprocess.run(["bash", str(ROOT / "launch.sh"), "toy", "--backend", "tinker", "--config",
-                           str(ROOT / "configs" / "tiny_cpu.yaml"), f"trainer.output_dir={tmp_path / 'r'}"],
-                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "launch.sh"),
+            "toy",
+            "--backend",
+            "tinker",
+            "--config",
+            str(ROOT / "configs" / "tiny_cpu.yaml"),
+            f"trainer.output_dir={tmp_path / 'r'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and "TINKER_API_KEY is not set" in proc.stderr
 
 
@@ -144,28 +177,42 @@ async def test_gateway_serves_from_tinker_sampling_clients(fake_root, tokenizer_
     registry = PolicyRegistry(gateway_cfg.served_model_name, 2)
     app = create_app(gateway_cfg, backend, registry, vocab_size=len(tok), start_backend=False)
     await backend.start()
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=120) as c:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=120
+    ) as c:
         assert (await c.get("/health")).status_code == 200
-        r = await c.post("/generate", json={"prompt": {"prompt_token_ids": [5, 6, 7]}, "n": 3, "max_tokens": 4})
+        r = await c.post(
+            "/generate", json={"prompt": {"prompt_token_ids": [5, 6, 7]}, "n": 3, "max_tokens": 4}
+        )
         body = r.json()
         assert r.status_code == 200 and body["finish_reasons"] == ["length"] * 3
         assert all(len(seq) == 4 for seq in body["logprobs"])
         eos = tok.eos_token_id
-        r = await c.post("/generate", json={"input_ids": [5, 6], "sampling_params": {
-            "n": 2, "max_new_tokens": 3, "stop_token_ids": list(range(2048))}})  # every token stops: honest "stop"
+        r = await c.post(
+            "/generate",
+            json={
+                "input_ids": [5, 6],
+                "sampling_params": {"n": 2, "max_new_tokens": 3, "stop_token_ids": list(range(2048))},
+            },
+        )  # every token stops: honest "stop"
         assert [x["meta_info"]["finish_reason"]["type"] for x in r.json()] == ["stop", "stop"]
         r = await c.post("/generate", json={"prompt": {"prompt_token_ids": [5]}, "min_p": 0.1})
         assert r.status_code == 400 and "not supported by the Tinker sampler" in r.text
         # publish a trained adapter by its tinker:// path
-        local = LocalBackend(load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml",
-                                         [f"trainer.output_dir={fake_root / 'pub'}"]))
+        local = LocalBackend(
+            load_config(
+                RunConfig, ROOT / "configs" / "tiny_cpu.yaml", [f"trainer.output_dir={fake_root / 'pub'}"]
+            )
+        )
         path = "tinker://fake" + local.save_for_sampler(1)
         bad = await c.post("/policy/publish", json={"version": 1, "adapter_path": "/local/folder"})
         assert bad.status_code == 400 and "tinker://" in bad.text
         ok = await c.post("/policy/publish", json={"version": 1, "adapter_path": path})
         assert ok.status_code == 200, ok.text
-        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                       "max_tokens": 3, "logprobs": True, "n": 2})
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "n": 2},
+        )
         chat = r.json()
         assert r.headers["x-policy-version"] == "1" and len(chat["choices"]) == 2
         assert len(chat["choices"][0]["logprobs"]["content"]) == len(chat["choices"][0]["token_ids"])
@@ -189,11 +236,11 @@ from trainer.training.loop import build_training_backend
 import inference.app, inference.__main__, trainer.orchestration.launcher, trainer.orchestration.report
 from trainer.training.batch import convert_batch, IntakeOptions
 from trainer.training.losses import LossParams
-from trainer.backends.base import AdamParams
-cfg = load_config(RunConfig, {str(ROOT / 'configs' / 'tiny_cpu.yaml')!r}, ["trainer.output_dir={tmp_path}"])
+from trainer.training.schedule import adam_params
+cfg = load_config(RunConfig, {str(ROOT / "configs" / "tiny_cpu.yaml")!r}, ["trainer.output_dir={tmp_path}"])
 backend = build_training_backend(cfg)
 ex = convert_batch(json.load(open({str(FIXTURE)!r}))["batch"], IntakeOptions(2048, 64)).examples
-fb, optim = backend.train_step(ex, LossParams("importance_sampling"), "sum", AdamParams(1e-2))
+fb, optim = backend.train_step(ex, LossParams("importance_sampling"), "sum", adam_params(1e-2))
 backend.save_for_sampler(1)
 assert "tinker" not in sys.modules
 print("ok", optim["optim/grad_norm"])
@@ -204,13 +251,29 @@ print("ok", optim["optim/grad_norm"])
 
 def make_run(folder: Path, backend: str, rewards: list[float]) -> Path:
     folder.mkdir(parents=True)
-    cfg = {"launch": {"backend": backend}, "model": {"path": "tiny"},
-           "pricing": {"tinker_sample_usd_per_mtok": 1.0, "tinker_train_usd_per_mtok": 2.0,
-                       "local_gpu_usd_per_hour": 3.6}}
+    cfg = {
+        "launch": {"backend": backend},
+        "model": {"path": "tiny"},
+        "pricing": {
+            "tinker_sample_usd_per_mtok": 1.0,
+            "tinker_train_usd_per_mtok": 2.0,
+            "local_gpu_usd_per_hour": 3.6,
+        },
+    }
     (folder / "config.yaml").write_text(json.dumps(cfg))
-    rows = [{"step": i + 1, "policy_version": i + 1, "reward/mean": r, "time/step_s": 2.0, "tokens/sampled": 1000.0,
-             "tokens/trained": 500.0, "importance/logprob_diff_mean": 1e-3, "wall_s": 2.0 * (i + 1)}
-            for i, r in enumerate(rewards)]
+    rows = [
+        {
+            "step": i + 1,
+            "policy_version": i + 1,
+            "reward/mean": r,
+            "time/step_s": 2.0,
+            "tokens/sampled": 1000.0,
+            "tokens/trained": 500.0,
+            "importance/logprob_diff_mean": 1e-3,
+            "wall_s": 2.0 * (i + 1),
+        }
+        for i, r in enumerate(rewards)
+    ]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
 
@@ -235,9 +298,24 @@ def test_report_compares_runs(tmp_path):
 @pytest.mark.slow
 def test_launch_toy_with_the_tinker_backend(fake_root):
     run_dir = fake_root / "run"
-    proc = subprocess.run(["bash", str(ROOT / "launch.sh"), "toy", "--backend", "tinker", "--config",
-                           str(ROOT / "configs" / "tiny_cpu.yaml"), FACTORY, "rollout.num_steps=6",
-                           f"trainer.output_dir={run_dir}"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "launch.sh"),
+            "toy",
+            "--backend",
+            "tinker",
+            "--config",
+            str(ROOT / "configs" / "tiny_cpu.yaml"),
+            FACTORY,
+            "rollout.num_steps=6",
+            f"trainer.output_dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7)) and rows[-1]["policy_version"] >= 3
@@ -247,15 +325,20 @@ def test_launch_toy_with_the_tinker_backend(fake_root):
     assert "python -m trainer report" in proc.stdout
 
 
-@pytest.mark.skipif(not os.environ.get("TINKER_API_KEY"), reason="live Tinker smoke test needs TINKER_API_KEY")
+@pytest.mark.skipif(
+    not os.environ.get("TINKER_API_KEY"), reason="live Tinker smoke test needs TINKER_API_KEY"
+)
 def test_live_tinker_smoke(tmp_path, examples):
     """One real forward_backward + optim_step + sampler save on Tinker's smallest supported model."""
     from transformers import AutoTokenizer
 
     model = os.environ.get("TINKER_SMOKE_MODEL", "meta-llama/Llama-3.2-1B")
-    cfg = load_config(RunConfig, None, [f"model.path={model}", "lora.rank=8", f"trainer.output_dir={tmp_path}",
-                                        "launch.backend=tinker"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [f"model.path={model}", "lora.rank=8", f"trainer.output_dir={tmp_path}", "launch.backend=tinker"],
+    )
     backend = TinkerBackend(cfg, tokenizer=AutoTokenizer.from_pretrained(model))
-    fb, optim = backend.train_step(examples[:2], LossParams("cross_entropy"), "sum", AdamParams(1e-5))
+    fb, optim = backend.train_step(examples[:2], LossParams("cross_entropy"), "sum", adam_params(1e-5))
     assert fb.trainer_logprobs and optim["optim/lr"] == 1e-5
     assert backend.save_for_sampler(1).startswith("tinker://")

@@ -20,7 +20,9 @@ def test_shape_and_tokenizer(tiny_model_path):
     text = "Ann has 12 apples and gets 30 more. 12 + 30 = 42"
     ids = tok(text).input_ids
     assert tok.decode(ids) == text and len(ids) < len(text) / 2  # BPE merged words, not bytes
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.eos_token == "<|eos|>" and tok.convert_tokens_to_ids("<|im_end|>") in cfg.eos_token_id
 

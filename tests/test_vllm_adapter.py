@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from tests.helpers import FIXTURE, free_port, stop_process
-from trainer.backends.base import AdamParams
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.losses import LossParams
+from trainer.training.schedule import adam_params
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
@@ -25,10 +25,30 @@ pytestmark = pytest.mark.slow
 
 def start_vllm(model_path: Path, port: int, log: Path) -> subprocess.Popen:
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-           "--served-model-name", "base", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-           "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-model-len", "512",
-           "--kv-cache-memory-bytes", str(64 * 2**20)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path),
+        "--served-model-name",
+        "base",
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--max-loras",
+        "2",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory-bytes",
+        str(64 * 2**20),
+    ]
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
@@ -39,8 +59,11 @@ def wait_until_completes(url: str, proc: subprocess.Popen, log: Path, timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with {proc.returncode}; log:\n{log.read_text()[-3000:]}")
         try:
-            r = httpx.post(f"{url}/v1/completions", json={"model": "base", "prompt": [1, 2, 3], "max_tokens": 1},
-                           timeout=30)
+            r = httpx.post(
+                f"{url}/v1/completions",
+                json={"model": "base", "prompt": [1, 2, 3], "max_tokens": 1},
+                timeout=30,
+            )
             if r.status_code == 200:
                 return
         except httpx.HTTPError:
@@ -50,7 +73,14 @@ def wait_until_completes(url: str, proc: subprocess.Popen, log: Path, timeout_s:
 
 
 def echo_logprobs(url: str, model: str, tokens: list[int]) -> list[float]:
-    body = {"model": model, "prompt": tokens, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 1.0}
+    body = {
+        "model": model,
+        "prompt": tokens,
+        "max_tokens": 1,
+        "echo": True,
+        "logprobs": 0,
+        "temperature": 1.0,
+    }
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     r.raise_for_status()
     return r.json()["choices"][0]["logprobs"]["token_logprobs"][1 : len(tokens)]
@@ -64,7 +94,7 @@ def test_trained_adapter_hot_loads_and_matches_trainer_logprobs(tmp_path, tiny_m
     backend = LocalBackend(make_cfg(tmp_path))  # rank 8, the seven projections + lm_head
     for _ in range(3):
         backend.forward_backward(examples, LossParams("importance_sampling"))
-        backend.optim_step(AdamParams(learning_rate=1e-2))
+        backend.optim_step(adam_params(1e-2))
     adapter = backend.save_for_sampler(1)
     trained = backend.forward_backward(examples, LossParams("importance_sampling")).trainer_logprobs
 
@@ -73,8 +103,9 @@ def test_trained_adapter_hot_loads_and_matches_trainer_logprobs(tmp_path, tiny_m
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_completes(url, proc, log)
-        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "policy-v1", "lora_path": adapter},
-                       timeout=60)
+        r = httpx.post(
+            f"{url}/v1/load_lora_adapter", json={"lora_name": "policy-v1", "lora_path": adapter}, timeout=60
+        )
         assert r.status_code == 200, r.text
         diffs, base_diffs = [], []
         for ex, lp in list(zip(examples, trained, strict=False))[:4]:

@@ -1,12 +1,12 @@
 """`python -m trainer`: the trainer process's command line, and the tools around a run.
 
-    python -m trainer run --config RUN_DIR/config.yaml                   # the training loop (launch.sh runs it)
-    python -m trainer config --config configs/gsm8k.yaml optim.lr=2e-5   # print the resolved config (YAML)
-    python -m trainer tiny-model [--out DIR] [--seed N]                  # build/cache the offline tiny model
-    python -m trainer summary RUN_DIR [RUN_DIR ...]                      # a run in a few lines
-    python -m trainer report RUN_DIR [RUN_DIR ...] --out DIR             # side-by-side comparison report
-    python -m trainer bench [...]                                        # trainer throughput benchmark (JSON)
-    python -m trainer bench-gateway [...]                                # gateway benchmark (JSON)
+python -m trainer run --config RUN_DIR/config.yaml                   # the training loop (launch.sh runs it)
+python -m trainer config --config configs/gsm8k.yaml optim.lr=2e-5   # print the resolved config (YAML)
+python -m trainer tiny-model [--out DIR] [--seed N]                  # build/cache the offline tiny model
+python -m trainer summary RUN_DIR [RUN_DIR ...]                      # a run in a few lines
+python -m trainer report RUN_DIR [RUN_DIR ...] --out DIR             # side-by-side comparison report
+python -m trainer bench [...]                                        # trainer throughput benchmark (JSON)
+python -m trainer bench-gateway [...]                                # gateway benchmark (JSON)
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import sys
 import yaml
 
 from trainer.training.config import ConfigError, RunConfig, load_config
-
 
 TOOLS = {  # sub-command -> module whose main(argv) it runs
     "summary": "trainer.orchestration.summary",
@@ -33,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return int(importlib.import_module(TOOLS[args_in[0]]).main(args_in[1:]) or 0)
-    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for tool, module in TOOLS.items():
         sub.add_parser(tool, help=f"see python -m {module} --help", add_help=False)
@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg_p.add_argument("--config", help="YAML file")
     cfg_p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     run_p = sub.add_parser("run", help="the training loop: run-api batches in, adapters out to the gateway")
-    run_p.add_argument("--config", required=True, help="resolved run config (launch.sh writes RUN_DIR/config.yaml)")
+    run_p.add_argument(
+        "--config", required=True, help="resolved run config (launch.sh writes RUN_DIR/config.yaml)"
+    )
     run_p.add_argument("overrides", nargs="*")
     tiny_p = sub.add_parser("tiny-model", help="build the offline tiny model and print its path")
     tiny_p.add_argument("--out", help="folder to write (default: the shared cache)")

@@ -16,14 +16,15 @@ from trainer.training.losses import LossParams, Reduction
 
 @dataclass(frozen=True)
 class AdamParams:
-    """Same fields as tinker.AdamParams; the learning rate is passed every step (schedules live in the loop)."""
+    """Same fields as tinker.AdamParams, passed every step (schedules live in the loop). No defaults here: every
+    value comes from the run's `optim:` section (trainer.training.schedule.build_adam_params / adam_params)."""
 
     learning_rate: float
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # 0 = no clipping
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float  # 0 = no clipping
 
 
 @dataclass
@@ -44,8 +45,9 @@ class TrainingBackend(Protocol):
         """Apply accumulated gradients with AdamW; returns `optim/*` metrics."""
         ...
 
-    def train_step(self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction,
-                   adam: AdamParams) -> tuple[ForwardBackwardResult, dict[str, float]]:
+    def train_step(
+        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction, adam: AdamParams
+    ) -> tuple[ForwardBackwardResult, dict[str, float]]:
         """forward_backward then optim_step; a remote backend submits both before waiting for either."""
         ...
 

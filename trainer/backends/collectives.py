@@ -31,8 +31,11 @@ class RankInfo:
 
 def rank_info() -> RankInfo:
     """This process's place in the torchrun job (rank 0 of 1 when not started by torchrun)."""
-    return RankInfo(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                    int(os.environ.get("LOCAL_RANK", 0)))
+    return RankInfo(
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
 
 
 def init_process_group(backend: str, device: torch.device, timeout_s: float = 1800.0) -> None:

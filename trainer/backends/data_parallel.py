@@ -27,8 +27,9 @@ class RankZeroBackend:
     def vocab_size(self) -> int:
         return self.local.vocab_size
 
-    def forward_backward(self, examples: Sequence[TrainingExample], loss: LossParams,
-                         reduction: Reduction = "sum") -> ForwardBackwardResult:
+    def forward_backward(
+        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction = "sum"
+    ) -> ForwardBackwardResult:
         broadcast(("forward_backward", (list(examples), loss, reduction)))
         return self.local.forward_backward(examples, loss, reduction)
 
@@ -36,8 +37,9 @@ class RankZeroBackend:
         broadcast(("optim_step", (adam,)))
         return self.local.optim_step(adam)
 
-    def train_step(self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction,
-                   adam: AdamParams) -> tuple[ForwardBackwardResult, dict[str, float]]:
+    def train_step(
+        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction, adam: AdamParams
+    ) -> tuple[ForwardBackwardResult, dict[str, float]]:
         return self.forward_backward(examples, loss, reduction), self.optim_step(adam)
 
     def load_state(self, path: str) -> None:

@@ -21,8 +21,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.backends.base import AdamParams, ForwardBackwardResult
-from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
-from trainer.training.config import RunConfig
 from trainer.backends.collectives import (
     gather_objects,
     init_process_group,
@@ -30,6 +28,8 @@ from trainer.backends.collectives import (
     shard_indices,
     sum_gradients_hook,
 )
+from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
+from trainer.training.config import RunConfig
 from trainer.training.logprobs import compute_token_logprobs
 from trainer.training.losses import (
     LossInputs,
@@ -104,14 +104,26 @@ class TokenLogprobs(torch.nn.Module):
         self.peft_model = peft_model
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, target_ids_BT: torch.Tensor,
-                mask_BT: torch.Tensor, temperature_B: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor,
+        target_ids_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        temperature_B: torch.Tensor | None,
+    ) -> torch.Tensor:
         causal_lm = self.peft_model.get_base_model()
         hidden_BTH = causal_lm.get_decoder()(
             input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
         ).last_hidden_state
-        return compute_token_logprobs(causal_lm.get_output_embeddings(), hidden_BTH, target_ids_BT, mask_BT != 0,
-                                      temperature_B, self.chunk_tokens)
+        return compute_token_logprobs(
+            causal_lm.get_output_embeddings(),
+            hidden_BTH,
+            target_ids_BT,
+            mask_BT != 0,
+            temperature_B,
+            self.chunk_tokens,
+        )
 
 
 class LocalBackend:
@@ -131,13 +143,12 @@ class LocalBackend:
         if self.ranks.world_size > 1:
             # DDP broadcasts rank 0's weights at construction, so every rank starts from the same adapter.
             self.ddp = torch.nn.parallel.DistributedDataParallel(
-                self.net, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+                self.net, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
             self.ddp.register_comm_hook(None, sum_gradients_hook)
             self.net = self.ddp
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.optim.lr, fused=self.device.type == "cuda"
-        )
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, fused=self.device.type == "cuda")
         self._step = 0
         self.output_dir = Path(cfg.trainer.output_dir)
         _seed_everything(cfg.lora.seed)
@@ -164,9 +175,15 @@ class LocalBackend:
         # Whole-batch counts on every rank: the per-shard losses then add up to the whole batch's loss.
         total_tokens = float(sum(sum(e.loss_mask) for e in examples))
         mine = shard_indices([len(e) for e in examples], self.ranks.rank, self.ranks.world_size)
-        plans = [[mine[j] for j in plan] for plan in
-                 plan_micro_batches([len(examples[i]) for i in mine], self.cfg.trainer.micro_batch_tokens)]
-        placeholder = not plans  # fewer examples than ranks: still join the gradient all-reduce, with weight 0
+        plans = [
+            [mine[j] for j in plan]
+            for plan in plan_micro_batches(
+                [len(examples[i]) for i in mine], self.cfg.trainer.micro_batch_tokens
+            )
+        ]
+        placeholder = (
+            not plans
+        )  # fewer examples than ranks: still join the gradient all-reduce, with weight 0
         logprobs: dict[int, list[float]] = {}
         parts, loss_value = [], 0.0
         for k, plan in enumerate(plans or [[0]]):
@@ -174,7 +191,8 @@ class LocalBackend:
             # DDP all-reduces on the last micro-batch only; the others accumulate locally.
             with self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext():
                 micro_loss, micro_metrics, lp_BT = self._micro_step(
-                    [examples[i] for i in plan], loss, reduction, total_tokens, len(examples), placeholder)
+                    [examples[i] for i in plan], loss, reduction, total_tokens, len(examples), placeholder
+                )
             if placeholder:
                 continue
             loss_value += micro_loss
@@ -196,16 +214,28 @@ class LocalBackend:
                 "perf/micro_batches": float(len(parts)),
             }
         )
-        return ForwardBackwardResult(trainer_logprobs=[logprobs[i] for i in range(len(examples))], loss=loss_value,
-                                     metrics=metrics)
+        return ForwardBackwardResult(
+            trainer_logprobs=[logprobs[i] for i in range(len(examples))], loss=loss_value, metrics=metrics
+        )
 
-    def _micro_step(self, chunk: list[TrainingExample], loss: LossParams, reduction: Reduction,
-                    total_tokens: float, n_sequences: int, zero_weight: bool,
-                    ) -> tuple[float, dict[str, float], torch.Tensor]:
+    def _micro_step(
+        self,
+        chunk: list[TrainingExample],
+        loss: LossParams,
+        reduction: Reduction,
+        total_tokens: float,
+        n_sequences: int,
+        zero_weight: bool,
+    ) -> tuple[float, dict[str, float], torch.Tensor]:
         batch = {k: v.to(self.device) for k, v in examples_to_tensors(chunk).items()}
         use_temperature = self.cfg.advantage.sampler_logprobs == "processed"
-        trainer_lp_BT = self.net(batch["input_ids_BT"], batch["attention_mask_BT"], batch["target_ids_BT"],
-                                 batch["mask_BT"], batch["temperature_B"] if use_temperature else None)
+        trainer_lp_BT = self.net(
+            batch["input_ids_BT"],
+            batch["attention_mask_BT"],
+            batch["target_ids_BT"],
+            batch["mask_BT"],
+            batch["temperature_B"] if use_temperature else None,
+        )
         weights_BT = compute_reduction_weights(batch["mask_BT"], reduction, total_tokens, n_sequences)
         if zero_weight:
             weights_BT = torch.zeros_like(weights_BT)
@@ -220,15 +250,20 @@ class LocalBackend:
         micro_loss.backward()
         return float(micro_loss.detach().item()), micro_metrics, trainer_lp_BT.detach().cpu()
 
-    def train_step(self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction,
-                   adam: AdamParams) -> tuple[ForwardBackwardResult, dict[str, float]]:
+    def train_step(
+        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction, adam: AdamParams
+    ) -> tuple[ForwardBackwardResult, dict[str, float]]:
         return self.forward_backward(examples, loss, reduction), self.optim_step(adam)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         started = time.perf_counter()
         for group in self.optimizer.param_groups:
-            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                         weight_decay=adam.weight_decay)
+            group.update(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
         max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm).item())
         skipped = not np.isfinite(grad_norm)
@@ -276,7 +311,10 @@ class LocalBackend:
     def _write_adapter_and_state(self, dest: Path) -> None:
         from peft import get_peft_model_state_dict
 
-        tensors = {k: v.detach().float().contiguous().cpu() for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()}
+        tensors = {
+            k: v.detach().float().contiguous().cpu()
+            for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()
+        }
         with _atomic_dir(dest) as tmp:
             save_file(tensors, str(tmp / ADAPTER_FILE))
             self.model.peft_config["default"].save_pretrained(str(tmp))
@@ -295,7 +333,9 @@ class LocalBackend:
         saved_cfg = json.loads((src / "run_config.json").read_text())
         for section in ("model", "lora"):
             if saved_cfg[section] != json.loads(getattr(self.cfg, section).model_dump_json()):
-                raise ValueError(f"checkpoint {src} was made with a different '{section}' config; resume with the same")
+                raise ValueError(
+                    f"checkpoint {src} was made with a different '{section}' config; resume with the same"
+                )
         weights = load_file(str(src / ADAPTER_FILE), device=str(self.device))
         unexpected = getattr(set_peft_model_state_dict(self.model, weights), "unexpected_keys", None) or []
         if unexpected:
@@ -333,7 +373,11 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -56,12 +56,16 @@ def generate_corpus(seed: int = 0, lines: int = 4000) -> list[str]:
         if kind < 0.4:
             a, b = rng.randint(0, 999), rng.randint(0, 999)
             op = rng.choice(["+", "-", "*", "/"])
-            out.append(f"{rng.choice(names)} has {a} {rng.choice(_WORDS)} and gets {b} more. {a} {op} {b} = ?")
+            out.append(
+                f"{rng.choice(names)} has {a} {rng.choice(_WORDS)} and gets {b} more. {a} {op} {b} = ?"
+            )
         elif kind < 0.8:
             out.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 20))).capitalize() + ".")
         else:
             q = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 10)))
-            out.append(f"<|im_start|>user\n{q}?<|im_end|>\n<|im_start|>assistant\n#### {rng.randint(0, 9999)}<|im_end|>")
+            out.append(
+                f"<|im_start|>user\n{q}?<|im_end|>\n<|im_start|>assistant\n#### {rng.randint(0, 9999)}<|im_end|>"
+            )
     return out
 
 

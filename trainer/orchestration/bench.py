@@ -21,16 +21,22 @@ from typing import Any
 
 import torch
 
-from trainer.backends.base import AdamParams
+from trainer.backends.local import LocalBackend
 from trainer.training.batch import TrainingExample
 from trainer.training.config import RunConfig
-from trainer.backends.local import LocalBackend
 from trainer.training.losses import LossParams
+from trainer.training.schedule import adam_params
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
         "tie_word_embeddings": False,
     },
 }
@@ -43,30 +49,45 @@ def synthetic_examples(n: int, seq_len: int, vocab: int, prompt_len: int, seed: 
     for i in range(n):
         tokens = torch.randint(0, vocab, (seq_len + 1,), generator=g).tolist()
         trained = seq_len - prompt_len
-        out.append(TrainingExample(
-            input_ids=tokens[:-1], target_ids=tokens[1:],
-            loss_mask=[0.0] * prompt_len + [1.0] * trained,
-            sampler_logprobs=[0.0] * prompt_len + [-11.0] * trained,
-            advantages=[0.0] * prompt_len + [1.0 if i % 2 else -1.0] * trained,
-            group_index=i // 8, sequence_index=i % 8,
-        ))
+        out.append(
+            TrainingExample(
+                input_ids=tokens[:-1],
+                target_ids=tokens[1:],
+                loss_mask=[0.0] * prompt_len + [1.0] * trained,
+                sampler_logprobs=[0.0] * prompt_len + [-11.0] * trained,
+                advantages=[0.0] * prompt_len + [1.0 if i % 2 else -1.0] * trained,
+                group_index=i // 8,
+                sequence_index=i % 8,
+            )
+        )
     return out
 
 
 def build_backend(args: argparse.Namespace, out_dir: Path) -> tuple[LocalBackend, int]:
-    cfg = RunConfig.model_validate({
-        "model": {"path": "tiny", "device": args.device, "dtype": "auto",
-                  "gradient_checkpointing": args.gradient_checkpointing},
-        "lora": {"rank": args.rank, "alpha": args.rank, "target_modules": "all-linear"},
-        "trainer": {"output_dir": str(out_dir), "max_seq_len": args.seq_len + 1,
-                    "micro_batch_tokens": max(args.micro_batch_tokens, args.seq_len + 1),
-                    "logprob_chunk_tokens": args.chunk_tokens},
-    })
+    cfg = RunConfig.model_validate(
+        {
+            "model": {
+                "path": "tiny",
+                "device": args.device,
+                "dtype": "auto",
+                "gradient_checkpointing": args.gradient_checkpointing,
+            },
+            "lora": {"rank": args.rank, "alpha": args.rank, "target_modules": "all-linear"},
+            "trainer": {
+                "output_dir": str(out_dir),
+                "max_seq_len": args.seq_len + 1,
+                "micro_batch_tokens": max(args.micro_batch_tokens, args.seq_len + 1),
+                "logprob_chunk_tokens": args.chunk_tokens,
+            },
+        }
+    )
     model = None
     if args.shape != "tiny":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(
+            args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         torch.manual_seed(0)
         with torch.device(device):
@@ -83,7 +104,10 @@ def sync(device: torch.device) -> None:
 
 
 def hardware() -> dict[str, Any]:
-    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    info: dict[str, Any] = {
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
@@ -92,8 +116,13 @@ def hardware() -> dict[str, Any]:
 
 def git_sha() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -106,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = backend.device
     examples = synthetic_examples(args.batch_seqs, args.seq_len, backend.vocab_size, args.prompt_len, 0)
     tokens_per_step = args.batch_seqs * args.seq_len
-    adam = AdamParams(learning_rate=1e-5, grad_clip_norm=1.0)
+    adam = adam_params(1e-5, grad_clip_norm=1.0)
     loss = LossParams("importance_sampling")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -19,7 +19,9 @@ from trainer.training.config import ConfigError, RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-RUN_API_APP = "atroposlib.api:app"  # what atroposlib's run-api serves; started through uvicorn to pass a socket
+RUN_API_APP = (
+    "atroposlib.api:app"  # what atroposlib's run-api serves; started through uvicorn to pass a socket
+)
 
 
 def resolve_env_module(env: str) -> list[str]:
@@ -31,7 +33,9 @@ def resolve_env_module(env: str) -> list[str]:
         return [PY, str(path.resolve())]
     if not (ROOT / "environments" / f"{env}.py").is_file():
         names = sorted(p.stem for p in (ROOT / "environments").glob("*.py") if not p.stem.startswith("_"))
-        raise ConfigError(f"unknown environment {env!r}: built-in ones are {names}, or pass a path to an env file")
+        raise ConfigError(
+            f"unknown environment {env!r}: built-in ones are {names}, or pass a path to an env file"
+        )
     return [PY, "-m", f"environments.{env}"]
 
 
@@ -72,7 +76,12 @@ def env_command(cfg: RunConfig, model_path: str, worker: int) -> list[str]:
         flags.pop("env.max_new_tokens")
     for key in r.env_args:  # rollout.env_args wins over what the launcher derives
         flags.pop(f"env.{key}", None)
-    return [*resolve_env_module(r.env), "serve", *(flag(k, v) for k, v in flags.items()), *env_args_flags(cfg)]
+    return [
+        *resolve_env_module(r.env),
+        "serve",
+        *(flag(k, v) for k, v in flags.items()),
+        *env_args_flags(cfg),
+    ]
 
 
 def env_preflight_command(cfg: RunConfig) -> list[str] | None:
@@ -82,7 +91,9 @@ def env_preflight_command(cfg: RunConfig) -> list[str] | None:
     return [*resolve_env_module(cfg.rollout.env), "preflight", *env_args_flags(cfg)]
 
 
-def trainer_command(cfg: RunConfig, config_file: str, rendezvous: str | None = None, run_id: str = "rl") -> list[str]:
+def trainer_command(
+    cfg: RunConfig, config_file: str, rendezvous: str | None = None, run_id: str = "rl"
+) -> list[str]:
     """`python -m trainer run`, under torchrun when the config asks for several data-parallel ranks.
     `rendezvous` (host:port of the first trainer node) is needed only when the trainer spans nodes."""
     d = cfg.distributed
@@ -93,7 +104,9 @@ def trainer_command(cfg: RunConfig, config_file: str, rendezvous: str | None = N
     if d.nnodes == 1:
         argv.append("--standalone")
     elif rendezvous is None:
-        raise ConfigError(f"distributed.nnodes={d.nnodes}: a trainer across nodes needs SLURM (sbatch launch.sh)")
+        raise ConfigError(
+            f"distributed.nnodes={d.nnodes}: a trainer across nodes needs SLURM (sbatch launch.sh)"
+        )
     else:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={run_id}"]
     return argv + run
@@ -105,15 +118,25 @@ def server_argvs(run_dir: Path, placement: Placement | None, fds: dict[str, int]
     gateway = [PY, "-m", "inference", "--config", str(run_dir / "gateway.yaml"), "--log-dir", str(logs)]
     run_api = [PY, "-m", "uvicorn", RUN_API_APP]
     if placement is None:
-        return {"run-api": [*run_api, "--fd", str(fds.get("run-api", "<fd>"))],
-                "gateway": [*gateway, "--fd", str(fds.get("gateway", "<fd>"))]}
+        return {
+            "run-api": [*run_api, "--fd", str(fds.get("run-api", "<fd>"))],
+            "gateway": [*gateway, "--fd", str(fds.get("gateway", "<fd>"))],
+        }
     # Under SLURM the gateway binds inference.host:inference.port itself (both are in its gateway.yaml).
-    return {"run-api": [*run_api, "--host", placement.bind_host, "--port", str(placement.ports.run_api)],
-            "gateway": gateway}
+    return {
+        "run-api": [*run_api, "--host", placement.bind_host, "--port", str(placement.ports.run_api)],
+        "gateway": gateway,
+    }
 
 
-def build_components(cfg: RunConfig, run_dir: Path, model_path: str, placement: Placement | None = None,
-                     job_id: int = 0, fds: dict[str, int] | None = None) -> list[Component]:
+def build_components(
+    cfg: RunConfig,
+    run_dir: Path,
+    model_path: str,
+    placement: Placement | None = None,
+    job_id: int = 0,
+    fds: dict[str, int] | None = None,
+) -> list[Component]:
     """The run's processes in start order. With a SLURM placement each one is an srun step on its node(s)."""
     fds = fds or {}
     argvs = server_argvs(run_dir, placement, fds)
@@ -129,8 +152,14 @@ def build_components(cfg: RunConfig, run_dir: Path, model_path: str, placement: 
         if placement is not None:
             argv = [*srun_prefix(name, placement.hosts[name], job_id), *argv]
         # run-api gets an empty cwd: it must not watch our files.
-        components.append(Component(name, argv, run_dir / "logs" / f"{name}.log",
-                                    cwd=run_dir / "run-api" if name == "run-api" else ROOT,
-                                    slurm_job=job_id if placement is not None else None,
-                                    pass_fds=(fds[name],) if name in fds else ()))
+        components.append(
+            Component(
+                name,
+                argv,
+                run_dir / "logs" / f"{name}.log",
+                cwd=run_dir / "run-api" if name == "run-api" else ROOT,
+                slurm_job=job_id if placement is not None else None,
+                pass_fds=(fds[name],) if name in fds else (),
+            )
+        )
     return components

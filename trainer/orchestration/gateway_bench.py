@@ -43,23 +43,27 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure_publishes(url: str, count: int, out_dir: Path) -> list[dict[str, float]]:
-    from trainer.backends.base import AdamParams
+    from trainer.backends.local import LocalBackend
     from trainer.training.batch import TrainingExample
     from trainer.training.config import RunConfig, load_config
-    from trainer.backends.local import LocalBackend
     from trainer.training.losses import LossParams
+    from trainer.training.schedule import adam_params
 
     cfg = load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml", [f"trainer.output_dir={out_dir}"])
     backend = LocalBackend(cfg)
-    example = TrainingExample(input_ids=list(range(5, 37)), target_ids=list(range(6, 38)),
-                              loss_mask=[0.0] * 8 + [1.0] * 24, sampler_logprobs=[0.0] * 8 + [-7.6] * 24,
-                              advantages=[0.0] * 8 + [1.0] * 24)
+    example = TrainingExample(
+        input_ids=list(range(5, 37)),
+        target_ids=list(range(6, 38)),
+        loss_mask=[0.0] * 8 + [1.0] * 24,
+        sampler_logprobs=[0.0] * 8 + [-7.6] * 24,
+        advantages=[0.0] * 8 + [1.0] * 24,
+    )
     client = GatewayClient(url)
     http = httpx.Client(base_url=url, timeout=120)
     rows = []
     for version in range(1, count + 1):
         backend.forward_backward([example], LossParams("importance_sampling"))
-        backend.optim_step(AdamParams(learning_rate=1e-3))
+        backend.optim_step(adam_params(1e-3))
         path = backend.save_for_sampler(version)
         written = time.perf_counter()
         client.publish(version, path)
@@ -67,8 +71,13 @@ def measure_publishes(url: str, count: int, out_dir: Path) -> list[dict[str, flo
         r = http.post("/generate", json={"prompt": {"prompt_token_ids": [5, 6, 7]}, "max_tokens": 1})
         served = time.perf_counter()
         assert r.headers["x-policy-version"] == str(version), r.headers
-        rows.append({"publish_s": published - written, "first_completion_s": served - published,
-                     "latency_s": served - written})
+        rows.append(
+            {
+                "publish_s": published - written,
+                "first_completion_s": served - published,
+                "latency_s": served - written,
+            }
+        )
     client.close()
     http.close()
     return rows
@@ -76,8 +85,13 @@ def measure_publishes(url: str, count: int, out_dir: Path) -> list[dict[str, flo
 
 def vllm_command(gateway_yaml: Path) -> tuple[list[str], dict[str, str]]:
     """The exact vLLM command the gateway starts for this config (asked of the gateway's own code)."""
-    out = subprocess.run([sys.executable, "-m", "inference", "--config", str(gateway_yaml), "--vllm-command"],
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "inference", "--config", str(gateway_yaml), "--vllm-command"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     spec = json.loads(out)
     return spec["argv"], spec["env"]
 
@@ -89,10 +103,16 @@ def measure_cold_restart(gateway_yaml: Path, adapter: str, log: Path) -> float:
     served_name = argv[argv.index("--served-model-name") + 1]
     started = time.perf_counter()
     with log.open("ab") as logf:
-        proc = subprocess.Popen(argv, env={**os.environ, **extra_env}, stdout=logf, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **extra_env},
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
+
             def completes() -> bool:
                 if proc.poll() is not None:
                     raise RuntimeError(f"vLLM exited; read {log}")
@@ -102,23 +122,34 @@ def measure_cold_restart(gateway_yaml: Path, adapter: str, log: Path) -> float:
                 return False
 
             wait_until(completes, 600, "cold vLLM answering", 0.2)
-            http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapter}).raise_for_status()
-            http.post("/v1/completions", json={"model": "a", "prompt": [5], "max_tokens": 1}).raise_for_status()
+            http.post(
+                "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapter}
+            ).raise_for_status()
+            http.post(
+                "/v1/completions", json={"model": "a", "prompt": [5], "max_tokens": 1}
+            ).raise_for_status()
         return time.perf_counter() - started
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=60)
 
 
-async def measure_overhead(url: str, vllm_url: str, model_name: str, rounds: int, n: int,
-                           max_tokens: int) -> dict[str, Any]:
+async def measure_overhead(
+    url: str, vllm_url: str, model_name: str, rounds: int, n: int, max_tokens: int
+) -> dict[str, Any]:
     prompt = list(range(5, 69))
     sampling = {"n": n, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
     gw_body = {"prompt": {"prompt_token_ids": prompt}, "logprobs": 0, **sampling}
-    direct_body = {"model": model_name, "prompt": prompt, "logprobs": 0, "return_tokens_as_token_ids": True,
-                   **sampling}
+    direct_body = {
+        "model": model_name,
+        "prompt": prompt,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        **sampling,
+    }
     times: dict[str, list[float]] = {"gateway": [], "direct": []}
     async with httpx.AsyncClient(timeout=300) as http:
+
         async def one(kind: str) -> None:
             t0 = time.perf_counter()
             if kind == "gateway":
@@ -136,17 +167,33 @@ async def measure_overhead(url: str, vllm_url: str, model_name: str, rounds: int
             for kind in order:
                 await one(kind)
     gw, direct = statistics.median(times["gateway"]), statistics.median(times["direct"])
-    return {"requests_per_path": rounds, "n": n, "max_tokens": max_tokens,
-            "gateway_median_s": gw, "direct_median_s": direct, "overhead_ratio": gw / direct - 1.0,
-            "gateway_p95_s": percentile(times["gateway"], 0.95), "direct_p95_s": percentile(times["direct"], 0.95)}
+    return {
+        "requests_per_path": rounds,
+        "n": n,
+        "max_tokens": max_tokens,
+        "gateway_median_s": gw,
+        "direct_median_s": direct,
+        "overhead_ratio": gw / direct - 1.0,
+        "gateway_p95_s": percentile(times["gateway"], 0.95),
+        "direct_p95_s": percentile(times["direct"], 0.95),
+    }
 
 
-async def measure_throughput(url: str, requests: int, concurrency: int, n: int, max_tokens: int) -> dict[str, Any]:
+async def measure_throughput(
+    url: str, requests: int, concurrency: int, n: int, max_tokens: int
+) -> dict[str, Any]:
     """Sampled tokens per second through the gateway with `concurrency` requests in flight."""
-    body = {"prompt": {"prompt_token_ids": list(range(5, 69))}, "logprobs": 0, "n": n, "max_tokens": max_tokens,
-            "temperature": 1.0, "ignore_eos": True}
+    body = {
+        "prompt": {"prompt_token_ids": list(range(5, 69))},
+        "logprobs": 0,
+        "n": n,
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "ignore_eos": True,
+    }
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600) as http:
+
         async def one() -> int:
             async with sem:
                 r = await http.post(f"{url}/generate", json=body)
@@ -157,8 +204,13 @@ async def measure_throughput(url: str, requests: int, concurrency: int, n: int, 
         t0 = time.perf_counter()
         tokens = sum(await asyncio.gather(*(one() for _ in range(requests))))
         elapsed = time.perf_counter() - t0
-    return {"requests": requests, "concurrency": concurrency, "sampled_tokens": tokens, "elapsed_s": elapsed,
-            "tokens_per_s": tokens / elapsed}
+    return {
+        "requests": requests,
+        "concurrency": concurrency,
+        "sampled_tokens": tokens,
+        "elapsed_s": elapsed,
+        "tokens_per_s": tokens / elapsed,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,7 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--replicas", type=int, default=1, help="vLLM replicas behind the gateway")
-    p.add_argument("overrides", nargs="*", help="gateway config overrides, e.g. inference.vllm.replica_env=...")
+    p.add_argument(
+        "overrides", nargs="*", help="gateway config overrides, e.g. inference.vllm.replica_env=..."
+    )
     p.add_argument("--throughput-requests", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=4)
     args = p.parse_args(argv)
@@ -183,29 +237,41 @@ def main(argv: list[str] | None = None) -> None:
         client.close()
         assert status.backend_url is not None
         first_replica = status.backend_url.split(",")[0]  # direct calls go to one replica, like the gateway's
-        overhead = asyncio.run(measure_overhead(url, first_replica, f"policy-v{status.current_version}",
-                                                args.rounds, args.n, args.max_tokens))
-        throughput = asyncio.run(measure_throughput(url, args.throughput_requests, args.concurrency, args.n,
-                                                    args.max_tokens))
+        overhead = asyncio.run(
+            measure_overhead(
+                url, first_replica, f"policy-v{status.current_version}", args.rounds, args.n, args.max_tokens
+            )
+        )
+        throughput = asyncio.run(
+            measure_throughput(url, args.throughput_requests, args.concurrency, args.n, args.max_tokens)
+        )
         last_adapter = str(work / "run" / "adapters" / f"v{args.publishes:06d}")
-        restarts = [measure_cold_restart(work / "logs" / "gateway.yaml", last_adapter, work / "logs" / "cold.log")
-                    for _ in range(args.restarts)]
+        restarts = [
+            measure_cold_restart(work / "logs" / "gateway.yaml", last_adapter, work / "logs" / "cold.log")
+            for _ in range(args.restarts)
+        ]
     latency = [r["latency_s"] for r in rows]
     result = {
-        "command": " ".join([Path(sys.executable).name, "-m", "trainer.orchestration.gateway_bench", *sys.argv[1:]]),
-        "git_sha": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                  cwd=ROOT).stdout.strip(),
+        "command": " ".join(
+            [Path(sys.executable).name, "-m", "trainer.orchestration.gateway_bench", *sys.argv[1:]]
+        ),
+        "git_sha": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip(),
         "hardware": {"cpu": platform.machine(), "cores": os.cpu_count()},
         "publish": {
             "count": len(rows),
-            "latency_p50_s": statistics.median(latency), "latency_p95_s": percentile(latency, 0.95),
+            "latency_p50_s": statistics.median(latency),
+            "latency_p95_s": percentile(latency, 0.95),
             "publish_call_p50_s": statistics.median(r["publish_s"] for r in rows),
             "first_completion_p50_s": statistics.median(r["first_completion_s"] for r in rows),
         },
         "cold_restart_s": restarts,
         "replicas": args.replicas,
         "cold_restart_median_s": statistics.median(restarts) if restarts else None,
-        "restart_over_publish_ratio": statistics.median(restarts) / statistics.median(latency) if restarts else None,
+        "restart_over_publish_ratio": statistics.median(restarts) / statistics.median(latency)
+        if restarts
+        else None,
         "overhead": overhead,
         "throughput": throughput,
     }

@@ -38,21 +38,34 @@ def gateway_healthy(url: str, proc: subprocess.Popen[bytes]) -> bool:
 
 
 @contextlib.contextmanager
-def spawn_gateway(config: str | None, overrides: list[str], log_dir: Path,
-                  timeout_s: float = 600.0) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def spawn_gateway(
+    config: str | None, overrides: list[str], log_dir: Path, timeout_s: float = 600.0
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Run `python -m inference` until it is healthy; yield (url, process); SIGTERM it (and so vLLM) at exit."""
     log_dir.mkdir(parents=True, exist_ok=True)
     gateway_yaml = write_gateway_config(config, overrides, log_dir / "gateway.yaml")
     port_file = log_dir / "gateway.port"
     port_file.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "inference", "--config", str(gateway_yaml), "--log-dir", str(log_dir),
-            "--port-file", str(port_file)]
+    argv = [
+        sys.executable,
+        "-m",
+        "inference",
+        "--config",
+        str(gateway_yaml),
+        "--log-dir",
+        str(log_dir),
+        "--port-file",
+        str(port_file),
+    ]
     with (log_dir / "gateway.log").open("ab") as logf:
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ})
     try:
+
         def bound() -> str:
             if proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with code {proc.returncode}; read {log_dir / 'gateway.log'}")
+                raise RuntimeError(
+                    f"gateway exited with code {proc.returncode}; read {log_dir / 'gateway.log'}"
+                )
             return port_file.read_text().strip() if port_file.exists() else ""
 
         url = f"http://127.0.0.1:{wait_until(bound, timeout_s, 'gateway bound its port', 0.2)}"

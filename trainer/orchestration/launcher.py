@@ -43,7 +43,9 @@ def wait_http(url: str, comp: Component, timeout_s: float, what: str) -> None:
     def answered() -> bool:
         code = comp.exited()
         if code is not None:
-            raise LaunchError(f"{comp.name} exited with code {code} before {what}; read {comp.log}:\n{comp.tail()}")
+            raise LaunchError(
+                f"{comp.name} exited with code {code} before {what}; read {comp.log}:\n{comp.tail()}"
+            )
         with contextlib.suppress(httpx.HTTPError):
             return httpx.get(url, timeout=5).status_code == 200
         return False
@@ -51,19 +53,23 @@ def wait_http(url: str, comp: Component, timeout_s: float, what: str) -> None:
     try:
         wait_until(answered, timeout_s, f"{comp.name} {what}")
     except TimeoutError:
-        raise LaunchError(f"{comp.name} not {what} within {timeout_s:.0f}s; read {comp.log}:\n{comp.tail()}") from None
+        raise LaunchError(
+            f"{comp.name} not {what} within {timeout_s:.0f}s; read {comp.log}:\n{comp.tail()}"
+        ) from None
 
 
 def progress_line(row: dict[str, Any], total: int) -> str:
     def fmt(key: str, spec: str) -> str:
         return "-" if row.get(key) is None else format(row[key], spec)
 
-    return (f"step {row['step']:>4}/{total} | v{row['policy_version']} | reward {fmt('reward/mean', '.3f')} | "
-            f"loss {fmt('loss', '+.4f')} | "
-            f"step {row['time/step_s']:.2f}s (wait {row['time/wait_for_batch_s']:.2f}s, train "
-            f"{row['time/train_s']:.2f}s, publish {row['time/publish_s']:.2f}s) | staleness "
-            f"{row['policy/staleness_mean']:.2f}/{row['policy/staleness_max']:.0f} | dropped stale "
-            f"{row['rollouts/dropped_stale']:.0f}")
+    return (
+        f"step {row['step']:>4}/{total} | v{row['policy_version']} | reward {fmt('reward/mean', '.3f')} | "
+        f"loss {fmt('loss', '+.4f')} | "
+        f"step {row['time/step_s']:.2f}s (wait {row['time/wait_for_batch_s']:.2f}s, train "
+        f"{row['time/train_s']:.2f}s, publish {row['time/publish_s']:.2f}s) | staleness "
+        f"{row['policy/staleness_mean']:.2f}/{row['policy/staleness_max']:.0f} | dropped stale "
+        f"{row['rollouts/dropped_stale']:.0f}"
+    )
 
 
 class Supervisor:
@@ -89,9 +95,14 @@ class Supervisor:
         code = self.trainer.exited()
         if code is not None:
             if code != 0:
-                raise LaunchError(f"trainer exited with code {code}; read {self.trainer.log}:\n{self.trainer.tail()}")
-            print(f"run finished: {self.metrics}\ncompare runs: {Path(PY).parent}/python -m trainer report "
-                  f"{self.metrics.parent} OTHER_RUN_DIR ... --out REPORT_DIR", flush=True)
+                raise LaunchError(
+                    f"trainer exited with code {code}; read {self.trainer.log}:\n{self.trainer.tail()}"
+                )
+            print(
+                f"run finished: {self.metrics}\ncompare runs: {Path(PY).parent}/python -m trainer report "
+                f"{self.metrics.parent} OTHER_RUN_DIR ... --out REPORT_DIR",
+                flush=True,
+            )
             return 0
         for comp in self.others:
             code = comp.exited()
@@ -100,14 +111,16 @@ class Supervisor:
         if self.envs_done_at is None and all(e.exited() == 0 for e in self.envs):
             self.envs_done_at = time.monotonic()
         if self.envs_done_at is not None and time.monotonic() - self.envs_done_at > ENVS_DONE_GRACE_S:
-            raise LaunchError(f"every environment finished but the trainer is still waiting; read {self.trainer.log}")
+            raise LaunchError(
+                f"every environment finished but the trainer is still waiting; read {self.trainer.log}"
+            )
         return None
 
     def print_new_rows(self) -> None:
         if not self.metrics.exists():
             return
         rows = self.metrics.read_text().splitlines()
-        for line in rows[self.rows_seen:]:
+        for line in rows[self.rows_seen :]:
             print(progress_line(json.loads(line), self.cfg.rollout.num_steps), flush=True)
         self.rows_seen = len(rows)
 
@@ -116,7 +129,9 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     if args.resume:
         run_dir = Path(args.resume).resolve()
         if not (run_dir / "config.yaml").is_file():
-            raise ConfigError(f"--resume {args.resume}: no config.yaml there; pass a run folder launch.sh made")
+            raise ConfigError(
+                f"--resume {args.resume}: no config.yaml there; pass a run folder launch.sh made"
+            )
         cfg = load_config(RunConfig, run_dir / "config.yaml", args.overrides)
         cfg.trainer.output_dir = str(run_dir)  # the folder may have moved since the run started
         return cfg, run_dir
@@ -134,7 +149,9 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     cfg = load_config(RunConfig, config, overrides)
     run_dir = Path(cfg.trainer.output_dir).resolve()
     if (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or choose a new folder")
+        raise ConfigError(
+            f"{run_dir} already holds a run; continue it with --resume {run_dir} or choose a new folder"
+        )
     cfg.trainer.output_dir = str(run_dir)
     return cfg, run_dir
 
@@ -148,12 +165,22 @@ def gateway_section(cfg: RunConfig, model_path: str, address: dict[str, Any] | N
     if cfg.launch.backend == "tinker":
         section["sampler"] = "tinker"
         section.setdefault("model", cfg.model.path)
-        section["tinker"] = {"base_model": cfg.model.path, "tokenizer": cfg.tinker.tokenizer or model_path,
-                             "timeout_s": cfg.tinker.timeout_s, "client_factory": cfg.tinker.client_factory}
+        section["tinker"] = {
+            "base_model": cfg.model.path,
+            "tokenizer": cfg.tinker.tokenizer or model_path,
+            "timeout_s": cfg.tinker.timeout_s,
+            "client_factory": cfg.tinker.client_factory,
+        }
     else:
         section.setdefault("model", model_path)
-    proc = subprocess.run([PY, "-m", "inference.config", "-"], input=yaml.safe_dump(section), capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [PY, "-m", "inference.config", "-"],
+        input=yaml.safe_dump(section),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     if proc.returncode != 0:
         raise ConfigError(proc.stderr.strip() or f"python -m inference.config exited with {proc.returncode}")
     return dict(json.loads(proc.stdout))
@@ -168,8 +195,11 @@ def preflight(cfg: RunConfig) -> str:
     model_path = cfg.model.path
     tinker = cfg.launch.backend == "tinker"
     try:
-        model_path = check_model(cfg.tinker.tokenizer or cfg.model.path, tokenizer_only=True) if tinker \
+        model_path = (
+            check_model(cfg.tinker.tokenizer or cfg.model.path, tokenizer_only=True)
+            if tinker
             else check_model(cfg.model.path)
+        )
     except ConfigError as exc:
         problems.append(str(exc))
     if tinker and not cfg.tinker.client_factory:
@@ -190,7 +220,8 @@ def check_environment(cfg: RunConfig) -> list[str]:
         return []
     lines = [line for line in proc.stderr.splitlines() if line.startswith("preflight: ")]
     return [line.removeprefix("preflight: ") for line in lines] or [
-        f"environment {cfg.rollout.env!r} failed its pre-flight (exit {proc.returncode}):\n{proc.stderr[-2000:]}"]
+        f"environment {cfg.rollout.env!r} failed its pre-flight (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
+    ]
 
 
 def place_on_slurm(cfg: RunConfig, job: SlurmJob, preview: bool = False) -> tuple[Placement, dict[str, Any]]:
@@ -229,11 +260,15 @@ def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> None:
     if job is None or placement is None:
         print("# commands (run-api and the gateway get listening sockets from the launcher):")
     else:
-        print(f"# placement in SLURM job {job.job_id or '<id>'} on {len(job.hosts)} node(s): {','.join(job.hosts)}")
+        print(
+            f"# placement in SLURM job {job.job_id or '<id>'} on {len(job.hosts)} node(s): {','.join(job.hosts)}"
+        )
         for name, hosts in placement.hosts.items():
             print(f"#   {name:<8} on {','.join(hosts)}")
-        print(f"# ports derived from the job id: run-api {placement.ports.run_api}, gateway "
-              f"{placement.ports.gateway}, torchrun rendezvous {placement.ports.rendezvous}")
+        print(
+            f"# ports derived from the job id: run-api {placement.ports.run_api}, gateway "
+            f"{placement.ports.gateway}, torchrun rendezvous {placement.ports.rendezvous}"
+        )
         print("# commands (srun steps, run concurrently with --overlap):")
     for comp in build_components(cfg, run_dir, cfg.model.path, placement, job.job_id if job else 0):
         print(f"{comp.name}: {' '.join(shlex.quote(a) for a in comp.argv)}")
@@ -248,12 +283,17 @@ def write_run_folder(cfg: RunConfig, run_dir: Path, model_path: str, job: SlurmJ
     placement = None
     if job is not None:
         placement, address = place_on_slurm(cfg, job)
-        print(f"SLURM job {job.job_id}: " + "; ".join(f"{n} on {','.join(h)}" for n, h in placement.hosts.items()),
-              flush=True)
+        print(
+            f"SLURM job {job.job_id}: "
+            + "; ".join(f"{n} on {','.join(h)}" for n, h in placement.hosts.items()),
+            flush=True,
+        )
     else:
         fds, address = bind_locally(cfg)
     if cfg.launch.backend == "local":
-        cfg.model.path = model_path  # the trainer loads the folder pre-flight resolved (the tiny model included)
+        cfg.model.path = (
+            model_path  # the trainer loads the folder pre-flight resolved (the tiny model included)
+        )
     else:
         cfg.tinker.tokenizer = model_path
     gateway = gateway_section(cfg, model_path, address)
@@ -270,7 +310,9 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
     api.start()
     wait_http(f"{cfg.launch.run_api_url}/status", api, cfg.launch.health_timeout_s, "answering /status")
     gateway.start()
-    print(f"waiting for the gateway and vLLM (log: {gateway.log}, {run_dir / 'logs' / 'vllm.log'})", flush=True)
+    print(
+        f"waiting for the gateway and vLLM (log: {gateway.log}, {run_dir / 'logs' / 'vllm.log'})", flush=True
+    )
     wait_http(f"{cfg.launch.gateway_url}/health", gateway, cfg.launch.health_timeout_s, "healthy")
     # vLLM runs in its own process group under the gateway; record it so a user (or test) can check on it.
     sampler_pid = httpx.get(f"{cfg.launch.gateway_url}/policy", timeout=10).json().get("backend_pid")
@@ -313,15 +355,21 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="launch.sh", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="launch.sh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("env", nargs="?", help="environment name (toy, gsm8k) or an Atropos env file")
     p.add_argument("--backend", choices=["local", "tinker"], default="local")
     p.add_argument("--config", help="run config YAML (default: configs/<env>.yaml)")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved config and commands, start nothing")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the resolved config and commands, start nothing"
+    )
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
-    p.add_argument("--slurm-nodes", metavar="NODELIST",
-                   help="with --dry-run: show the SLURM placement on these nodes (e.g. 'gpu[01-03]')")
+    p.add_argument(
+        "--slurm-nodes",
+        metavar="NODELIST",
+        help="with --dry-run: show the SLURM placement on these nodes (e.g. 'gpu[01-03]')",
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=2e-5")
     args = p.parse_intermixed_args(argv)  # overrides may come before or after the options
     if args.env and "=" in args.env and not Path(args.env).exists():
@@ -338,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, run_dir = resolve_run(args)
         if args.slurm_nodes and not args.dry_run:
-            raise ConfigError("--slurm-nodes previews a placement and needs --dry-run; under SLURM the job's "
-                              "own nodes are used")
+            raise ConfigError(
+                "--slurm-nodes previews a placement and needs --dry-run; under SLURM the job's "
+                "own nodes are used"
+            )
         job = SlurmJob(0, parse_nodelist(args.slurm_nodes)) if args.slurm_nodes else job_from_env()
         return launch(cfg, run_dir, args.dry_run, resumed=bool(args.resume), job=job)
     except ConfigError as exc:

@@ -50,7 +50,8 @@ def check_model(path: str, tokenizer_only: bool = False) -> str:
     raise ConfigError(
         f"{what} {key}={path!r} is not a local folder, is not in the Hugging Face cache, and the hub is unreachable. "
         f"Download it where there is network (huggingface-cli download {path}) and copy the cache, or set "
-        "model.path=/path/to/model_folder")
+        "model.path=/path/to/model_folder"
+    )
 
 
 def check_tinker() -> list[str]:

@@ -24,8 +24,11 @@ T = TypeVar("T")
 def wait_until(check: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.5) -> T:
     """Call `check` every `interval_s` until it returns a truthy value, and return that value. An exception from
     `check` ends the wait at once (use it for "the process died"); past the deadline a TimeoutError names `what`."""
-    poll = Retrying(stop=stop_after_delay(timeout_s), wait=wait_fixed(interval_s),
-                    retry=retry_if_result(lambda value: not value))
+    poll = Retrying(
+        stop=stop_after_delay(timeout_s),
+        wait=wait_fixed(interval_s),
+        retry=retry_if_result(lambda value: not value),
+    )
     try:
         return poll(check)
     except RetryError:
@@ -69,9 +72,16 @@ class Component:
             logf.write(f"=== {' '.join(shlex.quote(a) for a in self.argv)}\n".encode())
             logf.flush()
             # Own process group: stopping the component also stops whatever it started.
-            self.proc = subprocess.Popen(self.argv, cwd=self.cwd, stdout=logf, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **self.env}, start_new_session=True,
-                                         preexec_fn=die_with_parent, pass_fds=self.pass_fds)
+            self.proc = subprocess.Popen(
+                self.argv,
+                cwd=self.cwd,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+                pass_fds=self.pass_fds,
+            )
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -94,8 +104,12 @@ class Component:
         if self.slurm_job is None:
             return None
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = subprocess.run(["squeue", "-h", "-s", "-j", str(self.slurm_job), "-o", "%i %j"],
-                                 capture_output=True, text=True, timeout=30).stdout
+            out = subprocess.run(
+                ["squeue", "-h", "-s", "-j", str(self.slurm_job), "-o", "%i %j"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
             for line in out.splitlines():
                 step, _, name = line.strip().partition(" ")
                 if name.strip() == self.name:

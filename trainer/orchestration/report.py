@@ -39,7 +39,9 @@ def load_run(folder: Path) -> Run:
     metrics = folder / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"{folder} has no metrics.jsonl: pass run folders made by launch.sh")
-    config = yaml.safe_load((folder / "config.yaml").read_text()) if (folder / "config.yaml").is_file() else {}
+    config = (
+        yaml.safe_load((folder / "config.yaml").read_text()) if (folder / "config.yaml").is_file() else {}
+    )
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
     return Run(folder.name, config or {}, rows)
 
@@ -53,8 +55,10 @@ def estimate_cost_usd(run: Run) -> float:
     if run.config.get("launch", {}).get("backend") == "tinker":
         sampled = sum(_values(run.rows, "tokens/sampled"))
         trained = sum(_values(run.rows, "tokens/trained"))
-        return (sampled * pricing.get("tinker_sample_usd_per_mtok", 0.0)
-                + trained * pricing.get("tinker_train_usd_per_mtok", 0.0)) / 1e6
+        return (
+            sampled * pricing.get("tinker_sample_usd_per_mtok", 0.0)
+            + trained * pricing.get("tinker_train_usd_per_mtok", 0.0)
+        ) / 1e6
     wall_s = run.rows[-1]["wall_s"] if run.rows else 0.0
     return float(wall_s) / 3600 * pricing.get("local_gpu_usd_per_hour", 0.0)
 
@@ -105,7 +109,11 @@ def plot(runs: list[Run], out: Path) -> list[str]:
     for filename, x_key, y_key, title in PLOTS:
         fig, ax = plt.subplots(figsize=(7, 4))
         for run in runs:
-            pts = [(r[x_key], r[y_key]) for r in run.rows if r.get(x_key) is not None and r.get(y_key) is not None]
+            pts = [
+                (r[x_key], r[y_key])
+                for r in run.rows
+                if r.get(x_key) is not None and r.get(y_key) is not None
+            ]
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, marker="o", markersize=3, label=run.name)
@@ -135,8 +143,11 @@ def write_report(folders: list[Path], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.orchestration.report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.orchestration.report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("runs", nargs="+", help="run folders (each with metrics.jsonl and config.yaml)")
     p.add_argument("--out", required=True, help="folder for report.md, summary.json and the PNGs")
     args = p.parse_args(argv)

@@ -50,11 +50,18 @@ class Placement:
 def expand_nodelist(nodelist: str) -> list[str]:
     """Host names of a SLURM node list (`gpu[01-03],cpu7`), as `scontrol show hostnames` prints them."""
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except FileNotFoundError:
-        raise ConfigError("scontrol is not on PATH: run under SLURM (sbatch launch.sh ...) on a node with the "
-                          "SLURM client tools") from None
+        raise ConfigError(
+            "scontrol is not on PATH: run under SLURM (sbatch launch.sh ...) on a node with the "
+            "SLURM client tools"
+        ) from None
     except subprocess.CalledProcessError as exc:
         raise ConfigError(f"scontrol show hostnames {nodelist!r} failed: {exc.stderr.strip()}") from None
     hosts = out.split()
@@ -124,17 +131,24 @@ def plan(cfg: RunConfig, job: SlurmJob) -> Placement:
     hosts = job.hosts
     nnodes = cfg.distributed.nnodes
     if nnodes > len(hosts):
-        raise ConfigError(f"distributed.nnodes={nnodes} but the job has {len(hosts)} node(s) ({','.join(hosts)}); "
-                          f"submit with --nodes={nnodes} or more")
+        raise ConfigError(
+            f"distributed.nnodes={nnodes} but the job has {len(hosts)} node(s) ({','.join(hosts)}); "
+            f"submit with --nodes={nnodes} or more"
+        )
     bind = cfg.launch.slurm_bind_host
     loopback = bind in ("127.0.0.1", "localhost", "::1")
     if loopback and len(hosts) > 1:
-        raise ConfigError(f"launch.slurm_bind_host={bind!r} with {len(hosts)} nodes: the other nodes could not reach "
-                          "run-api and the gateway; use 0.0.0.0 (the default)")
+        raise ConfigError(
+            f"launch.slurm_bind_host={bind!r} with {len(hosts)} nodes: the other nodes could not reach "
+            "run-api and the gateway; use 0.0.0.0 (the default)"
+        )
     head = hosts[0]
     env_hosts = hosts[nnodes:] or [head]
-    placement = Placement(bind_host=bind, connect_host="127.0.0.1" if loopback else head,
-                          ports=derive_ports(job.job_id, cfg.launch.slurm_port_base))
+    placement = Placement(
+        bind_host=bind,
+        connect_host="127.0.0.1" if loopback else head,
+        ports=derive_ports(job.job_id, cfg.launch.slurm_port_base),
+    )
     placement.hosts["run-api"] = [head]
     placement.hosts["gateway"] = [head]  # vLLM replicas are the gateway's children: same node
     for w in range(cfg.rollout.env_workers):
@@ -147,6 +161,16 @@ def plan(cfg: RunConfig, job: SlurmJob) -> Placement:
 def srun_prefix(name: str, hosts: list[str], job_id: int) -> list[str]:
     """An srun step for one component: one task per host, running beside the other steps (--overlap) instead of
     waiting for their resources, and the whole step torn down if any of its tasks fails."""
-    return ["srun", f"--jobid={job_id}", "--overlap", f"--nodes={len(hosts)}", f"--ntasks={len(hosts)}",
-            "--ntasks-per-node=1", f"--nodelist={','.join(hosts)}", f"--job-name={name}", "--kill-on-bad-exit=1",
-            "--export=ALL", "--unbuffered"]
+    return [
+        "srun",
+        f"--jobid={job_id}",
+        "--overlap",
+        f"--nodes={len(hosts)}",
+        f"--ntasks={len(hosts)}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(hosts)}",
+        f"--job-name={name}",
+        "--kill-on-bad-exit=1",
+        "--export=ALL",
+        "--unbuffered",
+    ]

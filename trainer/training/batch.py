@@ -71,7 +71,9 @@ class Drop:
     reason: str
 
     def __str__(self) -> str:
-        where = f"group {self.group_index}" + ("" if self.sequence_index is None else f" seq {self.sequence_index}")
+        where = f"group {self.group_index}" + (
+            "" if self.sequence_index is None else f" seq {self.sequence_index}"
+        )
         return f"{where}, field '{self.field}': {self.reason}"
 
 
@@ -149,7 +151,9 @@ def convert_batch(raw_groups: list[Any], opts: IntakeOptions) -> ConvertedBatch:
         except ValidationError as exc:
             err = exc.errors()[0]
             key = ".".join(str(p) for p in err["loc"])
-            out.drops.append(Drop(gi, None, key or "<group>", f"{err['msg']} (got {str(err.get('input'))[:80]!r})"))
+            out.drops.append(
+                Drop(gi, None, key or "<group>", f"{err['msg']} (got {str(err.get('input'))[:80]!r})")
+            )
             continue
         out.sequences_received += len(group.tokens)
         _convert_group(gi, group, opts, out)
@@ -160,28 +164,45 @@ def _check_group(gi: int, g: ScoredDataGroup, opts: IntakeOptions) -> Drop | Non
     n = len(g.tokens)
     if n == 0:
         return Drop(gi, None, "tokens", "empty group")
-    per_seq_fields: dict[str, list[Any] | None] = {"masks": g.masks, "scores": g.scores, "inference_logprobs": g.inference_logprobs,
-                      "advantages": g.advantages, "overrides": g.overrides}
+    per_seq_fields: dict[str, list[Any] | None] = {
+        "masks": g.masks,
+        "scores": g.scores,
+        "inference_logprobs": g.inference_logprobs,
+        "advantages": g.advantages,
+        "overrides": g.overrides,
+    }
     for name, value in per_seq_fields.items():
         if value is not None and len(value) != n:
             return Drop(gi, None, name, f"has {len(value)} entries for {n} sequences")
     rows: dict[str, list[list[int]] | list[list[float]] | None] = {  # per-token fields
-        "masks": g.masks, "inference_logprobs": g.inference_logprobs, "advantages": g.advantages}
+        "masks": g.masks,
+        "inference_logprobs": g.inference_logprobs,
+        "advantages": g.advantages,
+    }
     for name, value in rows.items():
         for si, row in enumerate(value or []):
             assert isinstance(row, list)  # pydantic validated it
             if len(row) != len(g.tokens[si]):
-                return Drop(gi, None, name, f"sequence {si} has {len(row)} values for {len(g.tokens[si])} tokens")
+                return Drop(
+                    gi, None, name, f"sequence {si} has {len(row)} values for {len(g.tokens[si])} tokens"
+                )
     for si, score in enumerate(g.scores):
         if not math.isfinite(score):
             return Drop(gi, None, "scores", f"sequence {si} score is {score}")
     if opts.require_sampler_logprobs and g.inference_logprobs is None:
-        return Drop(gi, None, "inference_logprobs", "missing; the environment must sample through ManagedServer")
+        return Drop(
+            gi, None, "inference_logprobs", "missing; the environment must sample through ManagedServer"
+        )
     for si, toks in enumerate(g.tokens):
         bad = [t for t in toks if t < 0 or t >= opts.vocab_size]
         if bad:
-            return Drop(gi, None, "tokens", f"sequence {si} has id {bad[0]} outside [0, {opts.vocab_size}): "
-                        "is the environment using the trainer's tokenizer?")
+            return Drop(
+                gi,
+                None,
+                "tokens",
+                f"sequence {si} has id {bad[0]} outside [0, {opts.vocab_size}): "
+                "is the environment using the trainer's tokenizer?",
+            )
     return None
 
 
@@ -209,7 +230,9 @@ def _convert_sequence(
     tokens, masks = g.tokens[si], g.masks[si]
     if len(tokens) > opts.max_seq_len:
         return Drop(gi, si, "tokens", f"length {len(tokens)} exceeds max_seq_len {opts.max_seq_len}")
-    mismatch = next((t for t in range(len(tokens)) if masks[t] != IGNORE_INDEX and masks[t] != tokens[t]), None)
+    mismatch = next(
+        (t for t in range(len(tokens)) if masks[t] != IGNORE_INDEX and masks[t] != tokens[t]), None
+    )
     if mismatch is not None:
         return Drop(gi, si, "masks", f"position {mismatch} is {masks[mismatch]}, token is {tokens[mismatch]}")
     # Shift by one: target t+1 is predicted at position t; position 0 is never a target.
@@ -224,9 +247,18 @@ def _convert_sequence(
         advantages = [seq_advantage] * len(loss_mask)
     if zero_adv:
         advantages = [0.0] * len(loss_mask)
-    sampler = [float(x) for x in g.inference_logprobs[si][1:]] if g.inference_logprobs else [0.0] * len(loss_mask)
+    sampler = (
+        [float(x) for x in g.inference_logprobs[si][1:]] if g.inference_logprobs else [0.0] * len(loss_mask)
+    )
     for name, values in (("inference_logprobs", sampler), ("advantages", advantages)):
-        bad = next((t for t, (m, v) in enumerate(zip(loss_mask, values, strict=False)) if m and not math.isfinite(v)), None)
+        bad = next(
+            (
+                t
+                for t, (m, v) in enumerate(zip(loss_mask, values, strict=False))
+                if m and not math.isfinite(v)
+            ),
+            None,
+        )
         if bad is not None:
             return Drop(gi, si, name, f"{values[bad]} at trained position {bad + 1}")
     return TrainingExample(

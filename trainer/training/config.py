@@ -19,13 +19,19 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    path: str = Field("tiny", description="HF hub id, local folder, or 'tiny' for the offline random test model")
+    path: str = Field(
+        "tiny", description="HF hub id, local folder, or 'tiny' for the offline random test model"
+    )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="auto = bfloat16 on CUDA, float32 on CPU"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
-    attn_implementation: str | None = Field(None, description="passed to from_pretrained (e.g. sdpa); None = HF default")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in backward to save memory"
+    )
+    attn_implementation: str | None = Field(
+        None, description="passed to from_pretrained (e.g. sdpa); None = HF default"
+    )
 
 
 class LoraConfig(_Section):
@@ -45,7 +51,9 @@ class OptimConfig(_Section):
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip_norm: float = Field(1.0, ge=0, description="global grad-norm clip; 0 = no clipping")
-    warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 to lr over this many optimizer steps")
+    warmup_steps: int = Field(
+        0, ge=0, description="linear warmup from 0 to lr over this many optimizer steps"
+    )
     schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="decay after warmup")
     total_steps: int = Field(0, ge=0, description="steps for linear/cosine decay to reach 0; 0 = no decay")
 
@@ -53,7 +61,9 @@ class OptimConfig(_Section):
 class LossConfig(_Section):
     name: LossName = Field("importance_sampling", description="Tinker loss name, or grpo")
     reduction: Reduction = Field("sum", description="sum = Tinker's; means divide by batch-level counts")
-    clip_low_threshold: float | None = Field(None, description="lower ratio bound (ppo/grpo/cispo); None = Tinker's")
+    clip_low_threshold: float | None = Field(
+        None, description="lower ratio bound (ppo/grpo/cispo); None = Tinker's"
+    )
     clip_high_threshold: float | None = Field(None, description="upper ratio bound; None = Tinker's default")
     beta: float = Field(DEFAULT_DRO_BETA, ge=0, description="dro quadratic penalty")
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap on the ratio")
@@ -72,34 +82,50 @@ class AdvantageConfig(_Section):
     normalize_std: bool | None = Field(None, description="divide by group std; None = only for the grpo loss")
     std_eps: float = Field(1e-6, gt=0, description="added to the std before dividing")
     sampler_logprobs: Literal["raw", "processed"] = Field(
-        "raw", description="raw: sampler logprobs are pre-temperature (vLLM default); processed: post-temperature"
+        "raw",
+        description="raw: sampler logprobs are pre-temperature (vLLM default); processed: post-temperature",
     )
 
 
 class TrainerConfig(_Section):
-    max_seq_len: int = Field(2048, ge=2, description="longest prompt+completion, tokens; longer ones are dropped")
+    max_seq_len: int = Field(
+        2048, ge=2, description="longest prompt+completion, tokens; longer ones are dropped"
+    )
     micro_batch_tokens: int = Field(8192, ge=1, description="padded tokens per forward/backward micro-batch")
-    logprob_chunk_tokens: int = Field(1024, ge=1, description="tokens per lm_head chunk (bounds fp32 logits memory)")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=1, description="tokens per lm_head chunk (bounds fp32 logits memory)"
+    )
     save_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="adapter dtype for the sampler; auto = bfloat16 on CUDA, float32 on CPU"
     )
     output_dir: str = Field("runs/default", description="run folder: adapters/, checkpoints/, metrics.jsonl")
-    checkpoint_every: int = Field(10, ge=0, description="save optimizer+adapter state every N steps; 0 = never")
+    checkpoint_every: int = Field(
+        10, ge=0, description="save optimizer+adapter state every N steps; 0 = never"
+    )
     batch_poll_s: float = Field(0.1, gt=0, description="pause between run-api GET /batch polls, seconds")
     cpu_threads: int | None = Field(
-        None, ge=1, description="torch threads when training on CPU; None = torch's default (all cores). With vLLM "
-                                "on the same cores, 1 avoids fighting its OpenMP workers")
+        None,
+        ge=1,
+        description="torch threads when training on CPU; None = torch's default (all cores). With vLLM "
+        "on the same cores, 1 avoids fighting its OpenMP workers",
+    )
 
 
 class DistributedConfig(_Section):
     """Data-parallel training: torchrun starts the ranks, DDP sums LoRA gradients across them. The frozen base is
     replicated on every rank (LoRA's optimizer state is tiny, so sharding it with FSDP would buy nothing)."""
 
-    nproc_per_node: int = Field(1, ge=1, description="trainer ranks per node (one per GPU); >1 starts torchrun")
-    nnodes: int = Field(1, ge=1, description="nodes the trainer spans (under SLURM: the first nnodes of the job)")
+    nproc_per_node: int = Field(
+        1, ge=1, description="trainer ranks per node (one per GPU); >1 starts torchrun"
+    )
+    nnodes: int = Field(
+        1, ge=1, description="nodes the trainer spans (under SLURM: the first nnodes of the job)"
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto = nccl on CUDA, gloo on CPU")
     devices: str | None = Field(
-        None, description="CUDA_VISIBLE_DEVICES for the trainer (e.g. '2,3' when vLLM has '0,1'); None = inherit")
+        None,
+        description="CUDA_VISIBLE_DEVICES for the trainer (e.g. '2,3' when vLLM has '0,1'); None = inherit",
+    )
 
     @property
     def world_size(self) -> int:
@@ -109,15 +135,20 @@ class DistributedConfig(_Section):
 class RolloutConfig(_Section):
     env: str = Field("toy", description="environments/<name>.py, or a path to any Atropos environment file")
     group_size: int = Field(8, ge=1, description="samples per prompt (Atropos group_size)")
-    groups_per_step: int = Field(8, ge=1, description="groups per optimizer step; batch = groups x group_size")
-    max_staleness: int = Field(3, ge=0, description="policy versions a trained rollout may lag; 0 = on-policy")
+    groups_per_step: int = Field(
+        8, ge=1, description="groups per optimizer step; batch = groups x group_size"
+    )
+    max_staleness: int = Field(
+        3, ge=0, description="policy versions a trained rollout may lag; 0 = on-policy"
+    )
     temperature: float = Field(1.0, gt=0, description="sampling temperature the environment requests")
     max_new_tokens: int = Field(256, ge=1, description="completion length limit, tokens")
     max_token_length: int = Field(2048, ge=2, description="prompt+completion limit the environment enforces")
     num_steps: int = Field(100, ge=1, description="optimizer steps in the run")
     env_workers: int = Field(1, ge=1, description="environment processes")
     max_batches_offpolicy: int | None = Field(
-        None, ge=1, description="batches the env may keep queued or in flight; None = max(1, max_staleness)")
+        None, ge=1, description="batches the env may keep queued or in flight; None = max(1, max_staleness)"
+    )
     env_args: dict[str, Any] = Field(default_factory=dict, description="extra --env.<key> <value> flags")
     seed: int = Field(0, description="environment data seed")
 
@@ -130,29 +161,46 @@ class TinkerConfig(_Section):
     timeout_s: float = Field(60.0, gt=0, description="deadline for any single Tinker call, seconds")
     tokenizer: str | None = Field(None, description="tokenizer (hub id or folder); None = model.path")
     client_factory: str | None = Field(
-        None, description="'module:function' returning a ServiceClient-like object (proxies, tests); None = tinker's")
+        None,
+        description="'module:function' returning a ServiceClient-like object (proxies, tests); None = tinker's",
+    )
 
 
 class PricingConfig(_Section):
     """Prices the comparison report uses to estimate cost; edit them to your contract."""
 
-    tinker_sample_usd_per_mtok: float = Field(0.0, ge=0, description="Tinker sampling price, USD per 1M tokens")
-    tinker_train_usd_per_mtok: float = Field(0.0, ge=0, description="Tinker training price, USD per 1M tokens")
+    tinker_sample_usd_per_mtok: float = Field(
+        0.0, ge=0, description="Tinker sampling price, USD per 1M tokens"
+    )
+    tinker_train_usd_per_mtok: float = Field(
+        0.0, ge=0, description="Tinker training price, USD per 1M tokens"
+    )
     local_gpu_usd_per_hour: float = Field(0.0, ge=0, description="what the local GPU box costs per hour, USD")
 
 
 class LaunchConfig(_Section):
-    backend: Literal["local", "tinker"] = Field("local", description="who trains and samples: this box or Tinker")
+    backend: Literal["local", "tinker"] = Field(
+        "local", description="who trains and samples: this box or Tinker"
+    )
     run_api_port: int = Field(0, ge=0, lt=65536, description="Atropos run-api port; 0 = a free one")
     run_api_url: str | None = Field(None, description="set by the launcher once run-api is up")
     gateway_url: str | None = Field(None, description="set by the launcher once the gateway is healthy")
     health_timeout_s: float = Field(600.0, gt=0, description="deadline for each component to become healthy")
-    wandb: bool = Field(False, description="also log metrics to Weights & Biases (offline unless WANDB_MODE says)")
+    wandb: bool = Field(
+        False, description="also log metrics to Weights & Biases (offline unless WANDB_MODE says)"
+    )
     wandb_project: str = Field("rl-lora", description="W&B project")
     slurm_bind_host: str = Field(
-        "0.0.0.0", description="under SLURM: address run-api and the gateway bind (other nodes must reach them)")
-    slurm_port_base: int = Field(20000, ge=1024, lt=25536, description="under SLURM: ports are base + 4 x (job id mod "
-                                 "10000) + 0..2 for run-api, gateway, torchrun rendezvous")
+        "0.0.0.0",
+        description="under SLURM: address run-api and the gateway bind (other nodes must reach them)",
+    )
+    slurm_port_base: int = Field(
+        20000,
+        ge=1024,
+        lt=25536,
+        description="under SLURM: ports are base + 4 x (job id mod "
+        "10000) + 0..2 for run-api, gateway, torchrun rendezvous",
+    )
 
 
 class RunConfig(_Section):
@@ -163,8 +211,10 @@ class RunConfig(_Section):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     inference: dict[str, Any] = Field(
-        default_factory=dict, description="the gateway's own section: launch.sh completes it, validates it with the "
-        "gateway's model (python -m inference.config) and writes it to RUN_DIR/gateway.yaml")
+        default_factory=dict,
+        description="the gateway's own section: launch.sh completes it, validates it with the "
+        "gateway's model (python -m inference.config) and writes it to RUN_DIR/gateway.yaml",
+    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
@@ -176,17 +226,23 @@ class RunConfig(_Section):
         # The gateway must keep every version the trainer may still accept loaded (the launcher fills the default).
         gateway_staleness = self.inference.get("max_staleness")
         if isinstance(gateway_staleness, int) and gateway_staleness < self.rollout.max_staleness:
-            raise ValueError(f"inference.max_staleness={gateway_staleness} is below "
-                             f"rollout.max_staleness={self.rollout.max_staleness}; drop the inference override")
+            raise ValueError(
+                f"inference.max_staleness={gateway_staleness} is below "
+                f"rollout.max_staleness={self.rollout.max_staleness}; drop the inference override"
+            )
         for key in ("sampler", "tinker"):
             if key in self.inference:
-                raise ValueError(f"inference.{key} is set by the launcher from launch.backend and the tinker: "
-                                 "section; remove it from the config")
+                raise ValueError(
+                    f"inference.{key} is set by the launcher from launch.backend and the tinker: "
+                    "section; remove it from the config"
+                )
         if self.loss.tis_cap is not None and self.loss.name in ("cross_entropy", "dro"):
             raise ValueError(f"loss.tis_cap applies to ratio losses, not loss.name={self.loss.name!r}")
         if self.distributed.world_size > 1 and self.launch.backend == "tinker":
-            raise ValueError(f"distributed.nproc_per_node x nnodes = {self.distributed.world_size}: Tinker trains "
-                             "remotely; data-parallel ranks apply to launch.backend=local only")
+            raise ValueError(
+                f"distributed.nproc_per_node x nnodes = {self.distributed.world_size}: Tinker trains "
+                "remotely; data-parallel ranks apply to launch.backend=local only"
+            )
         if self.trainer.micro_batch_tokens < self.trainer.max_seq_len:
             raise ValueError(
                 f"trainer.micro_batch_tokens={self.trainer.micro_batch_tokens} is below "

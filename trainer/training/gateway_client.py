@@ -3,7 +3,6 @@ project: the gateway's wire types (inference.wire), so both sides parse the same
 
 from __future__ import annotations
 
-
 import httpx
 
 from inference.wire import LookupRequest, LookupResponse, PolicyStatus, PublishRequest, PublishResponse
@@ -42,4 +41,3 @@ class GatewayClient:
         r = self._http.get("/policy")
         r.raise_for_status()
         return PolicyStatus.model_validate(r.json())
-

@@ -44,7 +44,12 @@ def compute_token_logprobs(
     if temperature_B is None:
         inv_t_N = torch.ones(len(flat_select), device=hidden_BTH.device, dtype=torch.float32)
     else:
-        inv_t_N = (1.0 / temperature_B.float()).to(hidden_BTH.device).repeat_interleave(T).index_select(0, flat_select)
+        inv_t_N = (
+            (1.0 / temperature_B.float())
+            .to(hidden_BTH.device)
+            .repeat_interleave(T)
+            .index_select(0, flat_select)
+        )
     pieces = []
     for start in range(0, len(flat_select), chunk_tokens):
         sl = slice(start, start + chunk_tokens)

@@ -19,12 +19,12 @@ from typing import Any
 
 import httpx
 
-from trainer.training.gateway_client import GatewayClient
 from trainer.backends.base import TrainingBackend
-from trainer.training.batch import IntakeOptions, convert_batch, parse_batch_response
-from trainer.training.config import RunConfig
 from trainer.backends.collectives import rank_info
 from trainer.backends.data_parallel import RankZeroBackend
+from trainer.training.batch import IntakeOptions, convert_batch, parse_batch_response
+from trainer.training.config import RunConfig
+from trainer.training.gateway_client import GatewayClient
 from trainer.training.schedule import build_adam_params
 
 log = logging.getLogger("trainer.training.loop")
@@ -39,8 +39,9 @@ class StalenessSplit:
     dropped_unknown: int  # sequences whose version the gateway does not know
 
 
-def split_by_staleness(groups: list[Any], versions: list[list[int | None]], current: int,
-                       max_staleness: int) -> StalenessSplit:
+def split_by_staleness(
+    groups: list[Any], versions: list[list[int | None]], current: int, max_staleness: int
+) -> StalenessSplit:
     """Keep groups whose every sequence was sampled within `max_staleness` versions of `current`."""
     out = StalenessSplit([], [], 0, 0)
     for group, group_versions in zip(groups, versions):
@@ -63,10 +64,16 @@ class RunApi:
         self._http = httpx.Client(base_url=url, timeout=timeout_s)
 
     def register(self, cfg: RunConfig, starting_step: int) -> None:
-        body = {"wandb_group": Path(cfg.trainer.output_dir).name, "wandb_project": cfg.launch.wandb_project,
-                "batch_size": cfg.rollout.batch_size, "max_token_len": cfg.rollout.max_token_length,
-                "checkpoint_dir": str(Path(cfg.trainer.output_dir) / "checkpoints"), "save_checkpoint_interval":
-                cfg.trainer.checkpoint_every, "starting_step": starting_step, "num_steps": cfg.rollout.num_steps}
+        body = {
+            "wandb_group": Path(cfg.trainer.output_dir).name,
+            "wandb_project": cfg.launch.wandb_project,
+            "batch_size": cfg.rollout.batch_size,
+            "max_token_len": cfg.rollout.max_token_length,
+            "checkpoint_dir": str(Path(cfg.trainer.output_dir) / "checkpoints"),
+            "save_checkpoint_interval": cfg.trainer.checkpoint_every,
+            "starting_step": starting_step,
+            "num_steps": cfg.rollout.num_steps,
+        }
         self._http.post("/register", json=body).raise_for_status()
 
     def fetch_batch(self) -> list[Any] | None:
@@ -83,8 +90,13 @@ class MetricsWriter:
             import wandb
 
             # WANDB_MODE=offline (launch.sh's default) keeps it local: runs sync later with `wandb sync`.
-            self._wandb = wandb.init(project=cfg.launch.wandb_project, name=path.parent.name, dir=str(path.parent),
-                                     config=cfg.model_dump(mode="json"), resume="allow")
+            self._wandb = wandb.init(
+                project=cfg.launch.wandb_project,
+                name=path.parent.name,
+                dir=str(path.parent),
+                config=cfg.model_dump(mode="json"),
+                resume="allow",
+            )
 
     def write(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:
@@ -116,8 +128,10 @@ def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -
     name = f"step-{state.step:06d}"
     backend.save_state(name)
     ckpts = run_dir / "checkpoints"
-    for path, text in ((ckpts / f"{name}.loop.json", json.dumps({"step": state.step, "version": state.version})),
-                       (ckpts / LATEST, name)):
+    for path, text in (
+        (ckpts / f"{name}.loop.json", json.dumps({"step": state.step, "version": state.version})),
+        (ckpts / LATEST, name),
+    ):
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(text)
         tmp.replace(path)  # `latest` moves only once the checkpoint and its loop state are complete
@@ -176,9 +190,13 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> None:
     state = _resume(backend, gateway, run_dir)
     api.register(cfg, state.step)
     metrics = MetricsWriter(run_dir / "metrics.jsonl", cfg.launch.wandb, cfg)
-    intake = IntakeOptions(vocab_size=backend.vocab_size, max_seq_len=cfg.trainer.max_seq_len,
-                           normalize_std=cfg.normalize_std(), std_eps=cfg.advantage.std_eps,
-                           require_sampler_logprobs=cfg.loss.name != "cross_entropy")
+    intake = IntakeOptions(
+        vocab_size=backend.vocab_size,
+        max_seq_len=cfg.trainer.max_seq_len,
+        normalize_std=cfg.normalize_std(),
+        std_eps=cfg.advantage.std_eps,
+        require_sampler_logprobs=cfg.loss.name != "cross_entropy",
+    )
     started = time.monotonic()
     while state.step < cfg.rollout.num_steps:
         row = _one_step(cfg, backend, gateway, api, intake, state)
@@ -231,38 +249,67 @@ def _set_aside_newer_adapters(adapters: Path, version: int) -> None:
     log.info("moved %d adapters newer than version %d to %s", len(newer), version, aside)
 
 
-def _one_step(cfg: RunConfig, backend: TrainingBackend, gateway: GatewayClient, api: RunApi,
-              intake: IntakeOptions, state: LoopState) -> dict[str, Any]:
+def versions_by_group(gateway: GatewayClient, groups: list[Any]) -> list[list[int | None]]:
+    """The policy version that sampled each sequence, grouped like `groups` (one gateway lookup per batch)."""
+    flat = gateway.lookup([list(seq) for g in groups for seq in g.get("tokens", [])])
+    versions, i = [], 0
+    for g in groups:
+        n = len(g.get("tokens", []))
+        versions.append(flat[i : i + n])
+        i += n
+    return versions
+
+
+def _one_step(
+    cfg: RunConfig,
+    backend: TrainingBackend,
+    gateway: GatewayClient,
+    api: RunApi,
+    intake: IntakeOptions,
+    state: LoopState,
+) -> dict[str, Any]:
     """Consume one batch; train and publish if anything in it is trainable. Advances `state`."""
     t0 = time.monotonic()
     groups = wait_for_batch(api, cfg.trainer.batch_poll_s)
     t_batch = time.monotonic()
-    versions_flat = gateway.lookup([list(seq) for g in groups for seq in g.get("tokens", [])])
-    versions, i = [], 0
-    for g in groups:
-        n = len(g.get("tokens", []))
-        versions.append(versions_flat[i:i + n])
-        i += n
-    split = split_by_staleness(groups, versions, current=state.version, max_staleness=cfg.rollout.max_staleness)
+    split = split_by_staleness(
+        groups,
+        versions_by_group(gateway, groups),
+        current=state.version,
+        max_staleness=cfg.rollout.max_staleness,
+    )
     converted = convert_batch(split.kept, intake)
     for drop in converted.drops:
         log.warning("dropped rollout: %s", drop)
     state.step += 1
     if split.dropped_stale or split.dropped_unknown:
-        log.info("step %d: dropped %d stale and %d unknown-version sequences", state.step, split.dropped_stale,
-                 split.dropped_unknown)
+        log.info(
+            "step %d: dropped %d stale and %d unknown-version sequences",
+            state.step,
+            split.dropped_stale,
+            split.dropped_unknown,
+        )
     train: dict[str, Any] = {key: None for key in NO_UPDATE_KEYS}  # stay null when nothing is trainable
     train["tokens/trained"] = 0.0
     if converted.examples:
-        fb, optim = backend.train_step(converted.examples, cfg.loss.params(), cfg.loss.reduction,
-                                       build_adam_params(backend.step, cfg.optim))
-        train.update({"loss": fb.loss, **optim, **{k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS}})
+        fb, optim = backend.train_step(
+            converted.examples,
+            cfg.loss.params(),
+            cfg.loss.reduction,
+            build_adam_params(backend.step, cfg.optim),
+        )
+        train.update(
+            {"loss": fb.loss, **optim, **{k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS}}
+        )
         t_train = time.monotonic()
         gateway.publish(state.version + 1, backend.save_for_sampler(state.version + 1))
         state.version += 1
     else:
-        log.info("step %d: nothing trainable in %d groups (stale, malformed or zero-variance); no update",
-                 state.step, len(groups))
+        log.info(
+            "step %d: nothing trainable in %d groups (stale, malformed or zero-variance); no update",
+            state.step,
+            len(groups),
+        )
         t_train = time.monotonic()
     t_publish = time.monotonic()
     scores = converted.scores
@@ -287,7 +334,16 @@ def _one_step(cfg: RunConfig, backend: TrainingBackend, gateway: GatewayClient, 
 
 
 NO_UPDATE_KEYS = (
-    "loss", "optim/grad_norm", "optim/lr", "optim/skipped_nonfinite", "time/optim_s", "tokens/trained",
-    "importance/ratio_mean", "importance/ratio_min", "importance/ratio_max", "importance/clip_fraction",
-    "importance/mismatch_kl", "importance/logprob_diff_mean",
+    "loss",
+    "optim/grad_norm",
+    "optim/lr",
+    "optim/skipped_nonfinite",
+    "time/optim_s",
+    "tokens/trained",
+    "importance/ratio_mean",
+    "importance/ratio_min",
+    "importance/ratio_max",
+    "importance/clip_fraction",
+    "importance/mismatch_kl",
+    "importance/logprob_diff_mean",
 )

@@ -53,7 +53,9 @@ class LossInputs:
     trainer_logprobs_BT: torch.Tensor  # logprob of each target under the model being trained (carries grad)
     sampler_logprobs_BT: torch.Tensor  # logprob the sampler (vLLM/Tinker) reported for the same target
     advantages_BT: torch.Tensor  # ignored by cross_entropy
-    mask_BT: torch.Tensor  # per-token weights (Tinker's `weights`), 0 = not trained; other inputs may be NaN there
+    mask_BT: (
+        torch.Tensor
+    )  # per-token weights (Tinker's `weights`), 0 = not trained; other inputs may be NaN there
     reduction_weights_BT: torch.Tensor  # from compute_reduction_weights over the *whole* batch
 
 
@@ -128,7 +130,9 @@ def compute_loss(inputs: LossInputs, params: LossParams) -> tuple[torch.Tensor, 
     per_token_BT = _per_token_loss(inputs, params, used_ratio_BT)
     # mask_BT doubles as Tinker's `weights` (cross_entropy); RL batches carry 0/1 masks.
     weighted_BT = per_token_BT * _where_mask(inputs.mask_BT, inputs.mask_BT.to(per_token_BT.dtype))
-    loss = (weighted_BT * _where_mask(inputs.mask_BT, inputs.reduction_weights_BT.to(per_token_BT.dtype))).sum()
+    loss = (
+        weighted_BT * _where_mask(inputs.mask_BT, inputs.reduction_weights_BT.to(per_token_BT.dtype))
+    ).sum()
     return loss, _compute_metrics(inputs, params, ratio_BT.detach(), weighted_BT.detach())
 
 

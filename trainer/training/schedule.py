@@ -31,3 +31,9 @@ def build_adam_params(step: int, cfg: OptimConfig) -> AdamParams:
         weight_decay=cfg.weight_decay,
         grad_clip_norm=cfg.grad_clip_norm,
     )
+
+
+def adam_params(lr: float, **changes: float) -> AdamParams:
+    """AdamParams at learning rate `lr` with every other value from OptimConfig's defaults (or `changes`), for
+    callers outside the loop (benchmarks, tests)."""
+    return build_adam_params(0, OptimConfig(lr=lr, **changes))  # type: ignore[arg-type]

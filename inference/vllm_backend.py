@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -102,6 +101,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+KILL_GRACE_S = 12.0  # SIGTERM to SIGKILL for vLLM's process group
 PORT_ATTEMPTS = 3  # vLLM starts on a fresh port when the one chosen was taken before it bound it
 
 
@@ -260,10 +260,10 @@ class VLLMBackend:
                         or not self._lost_port_race()
                     ):
                         raise
-                    await asyncio.to_thread(self._kill)
+                    await self._kill()
         except BackendError:
             self.state = "failed"
-            await asyncio.to_thread(self._kill)
+            await self._kill()
             raise
         self.state = "ready"
         self._ready.set()
@@ -276,9 +276,8 @@ class VLLMBackend:
                 continue
             code = self.proc.returncode if self.proc else None
             log.error("vLLM died (exit code %s); restarting", code)
-            await asyncio.to_thread(
-                self._kill
-            )  # its engine and worker processes outlive a SIGKILLed API server: reap the group
+            # Its engine and worker processes outlive a SIGKILLed API server: reap the whole group.
+            await self._kill()
             self._ready.clear()
             self.state = "restarting"
             if self.restarts >= self.cfg.vllm.max_restarts:
@@ -293,28 +292,29 @@ class VLLMBackend:
                     await self.load_adapter(policy, during_restart=True)
             except BackendError as exc:
                 log.error("restart failed: %s", exc.message)
-                await asyncio.to_thread(self._kill)
+                await self._kill()
                 continue  # the loop sees a dead process and tries again
             self.state = "ready"
             self._ready.set()
             log.info("vLLM back after restart %d", self.restarts)
 
-    def _kill(self) -> None:
-        """Stop vLLM and every process it started (its own session/process group, named by its PID)."""
-        if self.proc is None:
+    async def _kill(self) -> None:
+        """Stop vLLM and every process it started (its own session/process group, named by its PID): SIGTERM,
+        up to KILL_GRACE_S for the group to go, then SIGKILL. Well inside the launcher's 30 s stop limit."""
+        proc = self.proc
+        if proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        deadline = time.monotonic() + 10
-        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+            os.killpg(proc.pid, signal.SIGTERM)
+
+        async def gone() -> bool:  # the leader reaped (a zombie still counts as alive) and no member left
+            return proc.poll() is not None and not _group_alive(proc.pid)
+
+        if not await poll_until(gone, KILL_GRACE_S, 0.1):
+            log.warning("vLLM (group %d) still running %.0fs after SIGTERM; SIGKILL", proc.pid, KILL_GRACE_S)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(proc.wait)
 
     async def stop(self) -> None:
         self.state = "stopped"
@@ -322,7 +322,7 @@ class VLLMBackend:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._supervisor
-        await asyncio.to_thread(self._kill)
+        await self._kill()
         await self._client.aclose()
 
     # --- requests -------------------------------------------------------------------------------------------

@@ -6,19 +6,32 @@ from pathlib import Path
 
 import pytest
 
+from trainer.orchestration.commands import resolve_env_module
+from trainer.orchestration.launcher import gateway_section
 from trainer.training.config import ConfigError, RunConfig, load_config
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+ROOT = Path(__file__).parent.parent
+CONFIGS = sorted((ROOT / "configs").iterdir())  # every file, whatever its name
 
 
 def test_there_are_configs():
-    assert {p.name for p in CONFIGS} >= {"gsm8k.yaml", "tiny_cpu.yaml"}
+    assert {p.name for p in CONFIGS} >= {"gsm8k.yaml", "tiny_cpu.yaml", "toy.yaml"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_config_file_parses(path):
+def test_every_config_file_validates_for_every_process(path):
+    """The run config, its gateway section through the gateway's own model, and its environment."""
+    assert path.suffix == ".yaml", f"{path.name}: configs/ holds run configs (*.yaml) only"
     cfg = load_config(RunConfig, path)
-    assert cfg.lora.rank >= 1
+    section = gateway_section(cfg, "/model")
+    assert section["max_staleness"] >= cfg.rollout.max_staleness
+    assert resolve_env_module(cfg.rollout.env)
+
+
+def test_each_builtin_environment_has_its_default_config():
+    """`bash launch.sh ENV` with no --config reads configs/ENV.yaml: it must exist for every built-in env."""
+    envs = {p.stem for p in (ROOT / "environments").glob("*.py") if p.stem not in ("__init__", "common")}
+    assert envs and all((ROOT / "configs" / f"{env}.yaml").is_file() for env in envs), envs
 
 
 def test_reference_run_values():

@@ -17,10 +17,10 @@ import torch
 
 from tests.helpers import FIXTURE, group_alive
 from trainer.orchestration.gateway_process import gateway_healthy, spawn_gateway
-from trainer.orchestration.processes import wait_until
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.gateway_client import GatewayClient
 from trainer.training.losses import LossParams
+from trainer.training.polling import wait_until
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow

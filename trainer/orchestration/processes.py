@@ -11,28 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
-from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
-
-T = TypeVar("T")
-
-
-def wait_until(check: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.5) -> T:
-    """Call `check` every `interval_s` until it returns a truthy value, and return that value. An exception from
-    `check` ends the wait at once (use it for "the process died"); past the deadline a TimeoutError names `what`."""
-    poll = Retrying(
-        stop=stop_after_delay(timeout_s),
-        wait=wait_fixed(interval_s),
-        retry=retry_if_result(lambda value: not value),
-    )
-    try:
-        return poll(check)
-    except RetryError:
-        raise TimeoutError(f"{what}: not within {timeout_s:.0f}s") from None
+from trainer.training.polling import wait_until
 
 
 def die_with_parent() -> None:

@@ -25,6 +25,7 @@ from trainer.backends.data_parallel import RankZeroBackend
 from trainer.training.batch import IntakeOptions, convert_batch, parse_batch_response
 from trainer.training.config import RunConfig
 from trainer.training.gateway_client import GatewayClient
+from trainer.training.polling import wait_until
 from trainer.training.schedule import build_adam_params
 
 log = logging.getLogger("trainer.training.loop")
@@ -138,11 +139,8 @@ def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -
 
 
 def wait_for_batch(api: RunApi, poll_s: float) -> list[Any]:
-    while True:
-        batch = api.fetch_batch()
-        if batch is not None:
-            return batch
-        time.sleep(poll_s)
+    """The next batch, however long the environments take to fill it."""
+    return wait_until(api.fetch_batch, None, "a batch from run-api", poll_s)
 
 
 def sampled_tokens(groups: list[Any]) -> int:

@@ -9,12 +9,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import torch
+
+from trainer.training.polling import wait_until
 
 FIXTURE = Path(__file__).parent / "fixtures" / "runapi_batch.json"
 
@@ -52,6 +53,15 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def answers(url: str, proc: subprocess.Popen[bytes]) -> bool:
+    """GET `url` answered 200; raises if the process serving it has exited."""
+    if proc.poll() is not None:
+        raise RuntimeError(f"the server for {url} exited with code {proc.returncode}")
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url, timeout=1).status_code == 200
+    return False
+
+
 @contextlib.contextmanager
 def run_api(workdir: Path) -> Iterator[str]:
     """Atropos's own run-api on 127.0.0.1, started from an empty folder, stopped by its PID."""
@@ -72,16 +82,7 @@ def run_api(workdir: Path) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/status", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"run-api did not start (exit code {proc.poll()})")
-            time.sleep(0.2)
+        wait_until(lambda: answers(f"{url}/status", proc), 60, "run-api answering /status", 0.2)
         yield url
     finally:
         stop_process(proc, timeout_s=10)

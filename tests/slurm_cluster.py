@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from tests.helpers import free_port
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 REQUIRED_TOOLS = (
     "sbatch",
@@ -86,12 +88,6 @@ def ensure_installed() -> str | None:
         return f"apt-get install {' '.join(PACKAGES)} failed: {proc.stderr.strip()[-500:]}"
     missing = [t for t in REQUIRED_TOOLS if not _tool(t)]
     return f"installed {' '.join(PACKAGES)} but still missing {missing}" if missing else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:
@@ -330,10 +326,10 @@ class SlurmCluster:
         self.node_name, topology = self._node_topology()
         # slurmctld only acts as controller if SlurmctldHost is this machine's short hostname.
         host = socket.gethostname().split(".")[0]
-        self.ctld_port = _free_port()
-        self.slurmd_port = _free_port()
+        self.ctld_port = free_port()
+        self.slurmd_port = free_port()
         while self.slurmd_port == self.ctld_port:
-            self.slurmd_port = _free_port()
+            self.slurmd_port = free_port()
         w = self.workdir
         settings: dict[str, str] = {
             "ClusterName": self.cluster_name,

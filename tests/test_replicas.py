@@ -3,6 +3,7 @@ one is restarted and caught up to the versions published while it was down."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -16,6 +17,7 @@ from trainer.orchestration.gateway_process import spawn_gateway
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.gateway_client import GatewayClient
 from trainer.training.losses import LossParams
+from trainer.training.polling import wait_until
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
@@ -69,22 +71,16 @@ def test_two_replicas_publish_failover_and_catch_up(tmp_path):
             r = generate(url)
             assert r.status_code == 200 and r.headers["x-policy-version"] == "2", r.text
             assert client.health()
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            status = client.status()
-            try:
-                caught_up = status.restarts == 1 and "policy-v2" in served_names(replica_urls[0])
-            except httpx.HTTPError:
-                caught_up = False
-            if caught_up:
-                break
-            time.sleep(1)
-        assert caught_up, "the restarted replica never caught up to version 2"
+
+        def caught_up() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return client.status().restarts == 1 and "policy-v2" in served_names(replica_urls[0])
+            return False
+
+        wait_until(caught_up, 300, "the restarted replica catching up to version 2", 1)
+        status = client.status()
         assert status.backend_pids[0] != pids[0] and not group_alive(pids[0])
         assert all(generate(url).headers["x-policy-version"] == "2" for _ in range(6))
         final_pids = status.backend_pids
         client.close()
-    deadline = time.monotonic() + 30
-    while any(p and group_alive(p) for p in final_pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(p and group_alive(p) for p in final_pids)
+    wait_until(lambda: not any(p and group_alive(p) for p in final_pids), 30, "every replica gone", 0.2)

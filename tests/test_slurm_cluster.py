@@ -3,12 +3,13 @@ job completes with exit 0, and stop() leaves no daemon, slurmstepd or job proces
 
 from __future__ import annotations
 
-import time
+import contextlib
 from pathlib import Path
 
 import pytest
 
 from tests.slurm_cluster import SlurmCluster, ensure_installed, parse_scontrol_record, pid_alive
+from trainer.training.polling import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -64,19 +65,17 @@ def test_overlapping_steps_then_clean_stop(tmp_path: Path, cluster_or_skip: None
         cluster.wait_job(cluster.sbatch(["--wrap", escape, "-o", "/dev/null"], cwd=jobdir), timeout_s=30)
         escaped = int((jobdir / "escaped.pid").read_text())
         # The job's slurmstepd may outlive COMPLETED by a few ms.
-        deadline = time.monotonic() + 5
-        while cluster.leftover_pids() != [escaped] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: cluster.leftover_pids() == [escaped], 5, "slurmstepd gone", 0.05)
         assert pid_alive(escaped) and cluster.leftover_pids() == [escaped]
 
         # A job still running at stop() must be cancelled by it, background and step processes included.
         busy = cluster.sbatch(
             ["--wrap", "sleep 300 & srun --overlap -n1 sleep 300 & wait", "-o", "/dev/null"], cwd=jobdir
         )
-        deadline = time.monotonic() + 20
         # 2 slurmstepds, the batch shell, 2 sleeps (+ the escaped sleep)
-        while len(cluster.leftover_pids()) < 6 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: len(cluster.leftover_pids()) >= 6, 20, "the busy job's processes", 0.1)
         running = [pid for pid in cluster.leftover_pids() if pid != escaped]
         assert cluster.job_state(busy)["JobState"] == "RUNNING"
         assert len(running) >= 5, running

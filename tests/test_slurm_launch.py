@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from tests.helpers import assert_learned
 from tests.slurm_cluster import SlurmCluster, ensure_installed, pid_alive
+from trainer.training.polling import wait_until
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,14 +100,13 @@ def test_scancel_mid_run_stops_every_step_and_leaves_a_checkpoint(tmp_path):
             cwd=ROOT,
         )
         metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 400
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+
+        def five_steps() -> bool:
             state = cluster.job_state(job).get("JobState")
-            assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (
-                state,
-                job_out.read_text(),
-            )
-            time.sleep(0.5)
+            assert state in ("PENDING", "RUNNING"), (state, job_out.read_text())
+            return metrics.exists() and len(metrics.read_text().splitlines()) >= 5
+
+        wait_until(five_steps, 400, "five steps of the SLURM job", 0.5)
         cluster.run_client(["scancel", str(job)])
         info = cluster.wait_job(job, timeout_s=120)
         assert info["JobState"] == "CANCELLED", info

@@ -4,11 +4,11 @@ builds on; it also settles that vLLM serves an lm_head LoRA on the CPU build."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +17,7 @@ import pytest
 from tests.helpers import FIXTURE, free_port, stop_process
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.losses import LossParams
+from trainer.training.polling import wait_until
 from trainer.training.schedule import adam_params
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
@@ -54,22 +55,18 @@ def start_vllm(model_path: Path, port: int, log: Path) -> subprocess.Popen:
 
 def wait_until_completes(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 240) -> None:
     # /health answers before the first request can fail (CPU attention); only a real completion proves readiness.
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def completes() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with {proc.returncode}; log:\n{log.read_text()[-3000:]}")
-        try:
-            r = httpx.post(
-                f"{url}/v1/completions",
-                json={"model": "base", "prompt": [1, 2, 3], "max_tokens": 1},
-                timeout=30,
-            )
-            if r.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"vLLM not ready in {timeout_s}s; log:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            body = {"model": "base", "prompt": [1, 2, 3], "max_tokens": 1}
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        return False
+
+    try:
+        wait_until(completes, timeout_s, "vLLM completing", 1)
+    except TimeoutError:
+        raise RuntimeError(f"vLLM not ready in {timeout_s}s; log:\n{log.read_text()[-3000:]}") from None
 
 
 def echo_logprobs(url: str, model: str, tokens: list[int]) -> list[float]:

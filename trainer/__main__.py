@@ -26,12 +26,7 @@ TOOLS = {  # sub-command -> module whose main(argv) it runs
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args_in = sys.argv[1:] if argv is None else argv
-    if args_in and args_in[0] in TOOLS:
-        import importlib
-
-        return int(importlib.import_module(TOOLS[args_in[0]]).main(args_in[1:]) or 0)
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -49,8 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     tiny_p = sub.add_parser("tiny-model", help="build the offline tiny model and print its path")
     tiny_p.add_argument("--out", help="folder to write (default: the shared cache)")
     tiny_p.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(args_in)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in and args_in[0] in TOOLS:
+        import importlib
+
+        return int(importlib.import_module(TOOLS[args_in[0]]).main(args_in[1:]) or 0)
+    args = build_parser().parse_args(args_in)
     if args.command == "run":
         import logging
 

@@ -127,6 +127,38 @@ def git_sha() -> str:
         return "unknown"
 
 
+def time_steps(
+    backend: LocalBackend, examples: list[TrainingExample], steps: int
+) -> tuple[list[float], list[float]]:
+    """Seconds per optimizer step and per forward_backward, `steps` times after one warm-up step."""
+    adam = adam_params(1e-5, grad_clip_norm=1.0)
+    loss = LossParams("importance_sampling")
+    step_times, fb_times = [], []
+    for step in range(steps + 1):
+        sync(backend.device)
+        t0 = time.perf_counter()
+        backend.forward_backward(examples, loss)
+        sync(backend.device)
+        t1 = time.perf_counter()
+        backend.optim_step(adam)
+        sync(backend.device)
+        if step > 0:  # step 0 warms up kernels and allocators
+            step_times.append(time.perf_counter() - t0)
+            fb_times.append(t1 - t0)
+    return step_times, fb_times
+
+
+def time_saves(backend: LocalBackend, saves: int) -> tuple[list[float], str]:
+    """Seconds per adapter save for the sampler; the last adapter's folder."""
+    save_times, path = [], ""
+    for version in range(1, saves + 1):
+        sync(backend.device)
+        t0 = time.perf_counter()
+        path = backend.save_for_sampler(version)
+        save_times.append(time.perf_counter() - t0)
+    return save_times, path
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
@@ -135,32 +167,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = backend.device
     examples = synthetic_examples(args.batch_seqs, args.seq_len, backend.vocab_size, args.prompt_len, 0)
     tokens_per_step = args.batch_seqs * args.seq_len
-    adam = adam_params(1e-5, grad_clip_norm=1.0)
-    loss = LossParams("importance_sampling")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    step_times, fb_times = [], []
-    for step in range(args.steps + 1):
-        sync(device)
-        t0 = time.perf_counter()
-        backend.forward_backward(examples, loss)
-        sync(device)
-        t1 = time.perf_counter()
-        backend.optim_step(adam)
-        sync(device)
-        if step > 0:  # step 0 warms up kernels and allocators
-            step_times.append(time.perf_counter() - t0)
-            fb_times.append(t1 - t0)
-    save_times = []
-    for version in range(1, args.saves + 1):
-        sync(device)
-        t0 = time.perf_counter()
-        path = backend.save_for_sampler(version)
-        save_times.append(time.perf_counter() - t0)
+    step_times, fb_times = time_steps(backend, examples, args.steps)
+    save_times, path = time_saves(backend, args.saves)
     adapter_bytes = (Path(path) / "adapter_model.safetensors").stat().st_size
     step_s = statistics.median(step_times)
     result: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, "-m", "trainer.orchestration.bench", *sys.argv[1:]]),
+        "command": " ".join([Path(sys.executable).name, "-m", "trainer", "bench", *sys.argv[1:]]),
         "git_sha": git_sha(),
         "hardware": hardware(),
         "torch": torch.__version__,

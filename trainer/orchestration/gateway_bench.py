@@ -213,7 +213,7 @@ async def measure_throughput(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--publishes", type=int, default=20)
     p.add_argument("--restarts", type=int, default=2)
@@ -221,13 +221,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--replicas", type=int, default=1, help="vLLM replicas behind the gateway")
-    p.add_argument(
-        "overrides", nargs="*", help="gateway config overrides, e.g. inference.vllm.replica_env=..."
-    )
+    p.add_argument("overrides", nargs="*", help="run config overrides, e.g. inference.vllm.replica_env=...")
     p.add_argument("--throughput-requests", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=4)
-    args = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
+    return p.parse_args(argv)
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Every measurement against one gateway on the tiny model (and cold vLLM starts beside it)."""
     config = str(ROOT / "configs" / "tiny_cpu.yaml")
     overrides = [f"inference.vllm.replicas={args.replicas}", *args.overrides]
     with spawn_gateway(config, overrides, work / "logs", timeout_s=600) as (url, _):
@@ -237,27 +238,29 @@ def main(argv: list[str] | None = None) -> None:
         client.close()
         assert status.backend_url is not None
         first_replica = status.backend_url.split(",")[0]  # direct calls go to one replica, like the gateway's
+        current = f"policy-v{status.current_version}"
         overhead = asyncio.run(
-            measure_overhead(
-                url, first_replica, f"policy-v{status.current_version}", args.rounds, args.n, args.max_tokens
-            )
+            measure_overhead(url, first_replica, current, args.rounds, args.n, args.max_tokens)
         )
         throughput = asyncio.run(
             measure_throughput(url, args.throughput_requests, args.concurrency, args.n, args.max_tokens)
         )
         last_adapter = str(work / "run" / "adapters" / f"v{args.publishes:06d}")
-        restarts = [
-            measure_cold_restart(work / "logs" / "gateway.yaml", last_adapter, work / "logs" / "cold.log")
-            for _ in range(args.restarts)
-        ]
+        cold_log = work / "logs" / "cold.log"
+        gateway_yaml = work / "logs" / "gateway.yaml"
+        restarts = [measure_cold_restart(gateway_yaml, last_adapter, cold_log) for _ in range(args.restarts)]
+    return {"rows": rows, "overhead": overhead, "throughput": throughput, "restarts": restarts}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    m = measure(args, Path(tempfile.mkdtemp(prefix="gateway-bench-")))
+    rows, restarts = m["rows"], m["restarts"]
     latency = [r["latency_s"] for r in rows]
+    git = ["git", "rev-parse", "--short", "HEAD"]
     result = {
-        "command": " ".join(
-            [Path(sys.executable).name, "-m", "trainer.orchestration.gateway_bench", *sys.argv[1:]]
-        ),
-        "git_sha": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip(),
+        "command": " ".join([Path(sys.executable).name, "-m", "trainer", "bench-gateway", *sys.argv[1:]]),
+        "git_sha": subprocess.run(git, capture_output=True, text=True, cwd=ROOT).stdout.strip(),
         "hardware": {"cpu": platform.machine(), "cores": os.cpu_count()},
         "publish": {
             "count": len(rows),
@@ -272,8 +275,8 @@ def main(argv: list[str] | None = None) -> None:
         "restart_over_publish_ratio": statistics.median(restarts) / statistics.median(latency)
         if restarts
         else None,
-        "overhead": overhead,
-        "throughput": throughput,
+        "overhead": m["overhead"],
+        "throughput": m["throughput"],
     }
     print(json.dumps(result, indent=2))
 

@@ -22,7 +22,7 @@ import httpx
 from trainer.backends.base import TrainingBackend
 from trainer.backends.collectives import rank_info
 from trainer.backends.data_parallel import RankZeroBackend
-from trainer.training.batch import IntakeOptions, convert_batch, parse_batch_response
+from trainer.training.batch import ConvertedBatch, IntakeOptions, convert_batch, parse_batch_response
 from trainer.training.config import RunConfig
 from trainer.training.gateway_client import GatewayClient
 from trainer.training.polling import wait_until
@@ -258,6 +258,14 @@ def versions_by_group(gateway: GatewayClient, groups: list[Any]) -> list[list[in
     return versions
 
 
+@dataclass
+class StepTimes:
+    started: float
+    batch: float = 0.0  # batch in hand
+    trained: float = 0.0  # optimizer step done
+    published: float = 0.0  # new version live on the gateway
+
+
 def _one_step(
     cfg: RunConfig,
     backend: TrainingBackend,
@@ -267,50 +275,61 @@ def _one_step(
     state: LoopState,
 ) -> dict[str, Any]:
     """Consume one batch; train and publish if anything in it is trainable. Advances `state`."""
-    t0 = time.monotonic()
+    times = StepTimes(time.monotonic())
     groups = wait_for_batch(api, cfg.trainer.batch_poll_s)
-    t_batch = time.monotonic()
-    split = split_by_staleness(
-        groups,
-        versions_by_group(gateway, groups),
-        current=state.version,
-        max_staleness=cfg.rollout.max_staleness,
-    )
+    times.batch = time.monotonic()
+    versions = versions_by_group(gateway, groups)
+    split = split_by_staleness(groups, versions, state.version, cfg.rollout.max_staleness)
     converted = convert_batch(split.kept, intake)
     for drop in converted.drops:
         log.warning("dropped rollout: %s", drop)
     state.step += 1
     if split.dropped_stale or split.dropped_unknown:
-        log.info(
-            "step %d: dropped %d stale and %d unknown-version sequences",
-            state.step,
-            split.dropped_stale,
-            split.dropped_unknown,
-        )
-    train: dict[str, Any] = {key: None for key in NO_UPDATE_KEYS}  # stay null when nothing is trainable
+        stale, unknown = split.dropped_stale, split.dropped_unknown
+        log.info("step %d: dropped %d stale and %d unknown-version sequences", state.step, stale, unknown)
+    train = _train_and_publish(cfg, backend, gateway, converted, state, times)
+    if not converted.examples:
+        why = "stale, malformed or zero-variance"
+        log.info("step %d: nothing trainable in %d groups (%s); no update", state.step, len(groups), why)
+    return _metrics_row(state, groups, split, converted, train, times)
+
+
+def _train_and_publish(
+    cfg: RunConfig,
+    backend: TrainingBackend,
+    gateway: GatewayClient,
+    converted: ConvertedBatch,
+    state: LoopState,
+    times: StepTimes,
+) -> dict[str, Any]:
+    """One optimizer step on what is trainable, then its adapter published as the next version. Returns the
+    training metrics (null when nothing was trainable: no update, no new version)."""
+    train: dict[str, Any] = {key: None for key in NO_UPDATE_KEYS}
     train["tokens/trained"] = 0.0
     if converted.examples:
-        fb, optim = backend.train_step(
-            converted.examples,
-            cfg.loss.params(),
-            cfg.loss.reduction,
-            build_adam_params(backend.step, cfg.optim),
-        )
-        train.update(
-            {"loss": fb.loss, **optim, **{k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS}}
-        )
-        t_train = time.monotonic()
+        adam = build_adam_params(backend.step, cfg.optim)
+        fb, optim = backend.train_step(converted.examples, cfg.loss.params(), cfg.loss.reduction, adam)
+        train.update({"loss": fb.loss, **optim})
+        train.update({k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS})
+        times.trained = time.monotonic()
         gateway.publish(state.version + 1, backend.save_for_sampler(state.version + 1))
         state.version += 1
     else:
-        log.info(
-            "step %d: nothing trainable in %d groups (stale, malformed or zero-variance); no update",
-            state.step,
-            len(groups),
-        )
-        t_train = time.monotonic()
-    t_publish = time.monotonic()
+        times.trained = time.monotonic()
+    times.published = time.monotonic()
+    return train
+
+
+def _metrics_row(
+    state: LoopState,
+    groups: list[Any],
+    split: StalenessSplit,
+    converted: ConvertedBatch,
+    train: dict[str, Any],
+    times: StepTimes,
+) -> dict[str, Any]:
     scores = converted.scores
+    train_s = times.trained - times.batch
     return {
         "step": state.step,
         "policy_version": state.version,
@@ -323,11 +342,11 @@ def _one_step(
         "rollouts/dropped_stale": float(split.dropped_stale),
         "rollouts/dropped_unknown_version": float(split.dropped_unknown),
         **converted.metrics(),
-        "time/step_s": t_publish - t0,
-        "time/wait_for_batch_s": t_batch - t0,
-        "time/train_s": t_train - t_batch,
-        "time/publish_s": t_publish - t_train,
-        "perf/tokens_per_s": train["tokens/trained"] / max(t_train - t_batch, 1e-9),
+        "time/step_s": times.published - times.started,
+        "time/wait_for_batch_s": times.batch - times.started,
+        "time/train_s": train_s,
+        "time/publish_s": times.published - times.trained,
+        "perf/tokens_per_s": train["tokens/trained"] / max(train_s, 1e-9),
     }
 
 

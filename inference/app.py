@@ -195,6 +195,7 @@ def create_app(
     app.add_exception_handler(BackendError, _backend_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _request_validation_error)  # type: ignore[arg-type]
     app.include_router(sampling_routes(gw))
+    app.include_router(openai_routes(gw))
     app.include_router(policy_routes(gw))
     return app
 
@@ -212,7 +213,7 @@ def respond(body: Any, policy: Policy) -> JSONResponse:
 
 
 def sampling_routes(gw: Gateway) -> APIRouter:
-    """What environments, evals and judges call: /generate (both dialects), the OpenAI routes, /health."""
+    """What environments call: /generate (both dialects) and /health."""
     router = APIRouter()
     backend, registry = gw.backend, gw.registry
 
@@ -234,6 +235,14 @@ def sampling_routes(gw: Gateway) -> APIRouter:
                 sglang_generate_response(samples, policy.version, len(req.prompt_token_ids)), policy
             )
         return respond(vllm_generate_response(samples, policy.version), policy)
+
+    return router
+
+
+def openai_routes(gw: Gateway) -> APIRouter:
+    """What evals and judges call: OpenAI completions and chat completions, any model name, the current policy."""
+    router = APIRouter()
+    backend, registry = gw.backend, gw.registry
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:

@@ -1,6 +1,7 @@
 """HTTP bodies of the gateway, shared by the gateway (server) and the trainer (client). Pydantic only.
 
-Two `/generate` dialects arrive from Atropos's clients (see DESIGN.md):
+Two `/generate` dialects arrive from atroposlib 0.4.0's ManagedServer clients (its vllm_server.py and
+sglang_server.py):
 - vLLM style (`server_type: vllm`): {"prompt": {"prompt_token_ids": [...]}, "logprobs": 0, "n", "max_tokens", ...}
   answered with {"logprobs": [n x [[{"<id>": lp}] per token]], "finish_reasons": [n x str]}.
 - SGLang style (`server_type: sglang`): {"input_ids": [...], "sampling_params": {...}, "return_logprob": true}

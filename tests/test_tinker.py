@@ -160,6 +160,27 @@ def test_launch_refuses_tinker_without_a_key(tmp_path):
     assert proc.returncode == 2 and "TINKER_API_KEY is not set" in proc.stderr
 
 
+def test_tinker_preflight_lists_everything_missing_at_once_and_never_the_weights(tmp_path):
+    """gsm8k offline, no key, no local copy of the 8B model: one refusal naming the key, the tokenizer (not the
+    weights: they stay on Tinker) and the data, within seconds."""
+    env = {k: v for k, v in os.environ.items() if k != "TINKER_API_KEY"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    argv = [
+        "bash",
+        str(ROOT / "launch.sh"),
+        "gsm8k",
+        "--backend",
+        "tinker",
+        f"trainer.output_dir={tmp_path / 'r'}",
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr
+    assert "TINKER_API_KEY is not set" in err and "tinker.tokenizer" in err and "GSM8K data" in err, err
+    assert "config.json" not in err and "safetensors" not in err
+    assert not (tmp_path / "r").exists(), "a refused launch must leave no run folder"
+
+
 @pytest.fixture(scope="module")
 def tokenizer_path(tiny_model_path):
     return tiny_model_path

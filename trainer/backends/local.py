@@ -174,16 +174,9 @@ class LocalBackend:
         self.model.train()
         # Whole-batch counts on every rank: the per-shard losses then add up to the whole batch's loss.
         total_tokens = float(sum(sum(e.loss_mask) for e in examples))
-        mine = shard_indices([len(e) for e in examples], self.ranks.rank, self.ranks.world_size)
-        plans = [
-            [mine[j] for j in plan]
-            for plan in plan_micro_batches(
-                [len(examples[i]) for i in mine], self.cfg.trainer.micro_batch_tokens
-            )
-        ]
-        placeholder = (
-            not plans
-        )  # fewer examples than ranks: still join the gradient all-reduce, with weight 0
+        plans = self._my_micro_batches(examples)
+        # Fewer examples than ranks: this rank still joins the gradient all-reduce, with weight 0.
+        placeholder = not plans
         logprobs: dict[int, list[float]] = {}
         parts, loss_value = [], 0.0
         for k, plan in enumerate(plans or [[0]]):
@@ -200,10 +193,7 @@ class LocalBackend:
             for row, i in enumerate(plan):
                 logprobs[i] = lp_BT[row, : len(examples[i])].tolist()
         if self.ranks.world_size > 1:
-            gathered = gather_objects((parts, logprobs, loss_value))
-            parts = [p for g in gathered for p in g[0]]
-            logprobs = {i: lp for g in gathered for i, lp in g[1].items()}
-            loss_value = sum(g[2] for g in gathered)
+            parts, logprobs, loss_value = self._gather_ranks(parts, logprobs, loss_value)
         elapsed = time.perf_counter() - started
         metrics = finalize_metrics(parts)
         metrics.update(
@@ -217,6 +207,23 @@ class LocalBackend:
         return ForwardBackwardResult(
             trainer_logprobs=[logprobs[i] for i in range(len(examples))], loss=loss_value, metrics=metrics
         )
+
+    def _my_micro_batches(self, examples: Sequence[TrainingExample]) -> list[list[int]]:
+        """This rank's token-balanced shard of `examples`, cut into micro-batches (lists of example indices)."""
+        mine = shard_indices([len(e) for e in examples], self.ranks.rank, self.ranks.world_size)
+        budget = self.cfg.trainer.micro_batch_tokens
+        return [
+            [mine[j] for j in plan] for plan in plan_micro_batches([len(examples[i]) for i in mine], budget)
+        ]
+
+    @staticmethod
+    def _gather_ranks(
+        parts: list[Any], logprobs: dict[int, list[float]], loss_value: float
+    ) -> tuple[list[Any], dict[int, list[float]], float]:
+        """Every rank's metrics parts, logprobs and loss, merged into the whole batch's."""
+        gathered = gather_objects((parts, logprobs, loss_value))
+        merged = {i: lp for g in gathered for i, lp in g[1].items()}
+        return [p for g in gathered for p in g[0]], merged, sum(g[2] for g in gathered)
 
     def _micro_step(
         self,

@@ -46,11 +46,13 @@ def check_model(path: str, tokenizer_only: bool = False) -> str:
         pass
     if hub_reachable():
         return path
-    key = "tinker.tokenizer (or model.path)" if tokenizer_only else "model.path"
+    if tokenizer_only:  # Tinker holds the weights: only the tokenizer is read here
+        where, fix = f"the tokenizer of {path!r} (tinker.tokenizer, default model.path)", "tinker.tokenizer"
+    else:
+        where, fix = f"model.path={path!r}", "model.path"
     raise ConfigError(
-        f"{what} {key}={path!r} is not a local folder, is not in the Hugging Face cache, and the hub is unreachable. "
-        f"Download it where there is network (huggingface-cli download {path}) and copy the cache, or set "
-        "model.path=/path/to/model_folder"
+        f"{where} is not a local folder, is not in the Hugging Face cache, and the hub is unreachable. Download it "
+        f"where there is network (huggingface-cli download {path}) and copy the cache, or set {fix}=/path/to/folder"
     )
 
 

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import secrets
 import socket
 import sys
 from pathlib import Path
@@ -130,7 +131,9 @@ async def serve(args: argparse.Namespace) -> int:
 def print_vllm_command(args: argparse.Namespace) -> int:
     cfg = load_gateway_config(args.config, args.overrides)
     model_path, _ = resolve_model(cfg.model)
-    argv, env = build_vllm_command(cfg, model_path, free_port())
+    argv, env = build_vllm_command(
+        cfg, model_path, free_port(), cfg.vllm.api_key or secrets.token_urlsafe(32)
+    )
     print(json.dumps({"argv": argv, "env": env}))
     return 0
 

@@ -12,7 +12,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from inference.config import GatewayConfig
 from inference.errors import BackendError
+from inference.guard import BodyGuard
 from inference.policy import Policy, PolicyRegistry, VersionLedger, lora_name
 from inference.wire import (
     LookupRequest,
@@ -31,6 +32,7 @@ from inference.wire import (
     PublishRequest,
     PublishResponse,
     Sample,
+    SamplingParams,
     SamplingRequest,
     SGLangGenerateRequest,
     VLLMGenerateRequest,
@@ -40,6 +42,7 @@ from inference.wire import (
 
 log = logging.getLogger("inference.app")
 VERSION_HEADER = "X-Policy-Version"
+DISCONNECT_POLL_S = 0.25
 
 
 class SamplingBackend(Protocol):
@@ -69,12 +72,41 @@ def error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
 
 
-def _validation_message(exc: ValidationError | RequestValidationError) -> str:
+def _validation_message(exc: ValidationError | RequestValidationError, prefix: str = "") -> str:
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if p != "body")
-        parts.append(f"{loc or 'body'}: {err['msg']} (got {str(err.get('input'))[:80]})")
+        loc = ".".join(str(p) for p in err["loc"] if p not in ("body", "sampling"))
+        parts.append(f"{prefix}{loc or 'body'}: {err['msg']} (got {repr(err.get('input'))[:80]})")
     return "; ".join(parts)
+
+
+OPENAI_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "n": "n"}
+
+
+def check_openai_body(gw: Gateway, body: dict[str, Any]) -> None:
+    """Validate an OpenAI completions/chat body before anything converts it: counts, sampling parameters, and
+    a token-id prompt against the vocabulary and the context."""
+    counts = {key: body[key] for key in OPENAI_KEYS if body.get(key) is not None}
+    sampling = {k: body[k] for k in SamplingParams.model_fields if body.get(k) is not None}
+    try:
+        for key, value in counts.items():
+            SamplingRequest.model_validate({"prompt_token_ids": [0], OPENAI_KEYS[key]: value})
+        SamplingParams.model_validate(sampling)
+    except ValidationError as exc:
+        key = next((k for k, v in counts.items() if OPENAI_KEYS[k] in str(exc)), "")
+        raise BackendError(400, _validation_message(exc).replace("max_tokens", key or "max_tokens")) from exc
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+        try:
+            ids = SamplingRequest.model_validate({"prompt_token_ids": prompt}).prompt_token_ids
+        except ValidationError as exc:
+            raise BackendError(400, "prompt: " + _validation_message(exc)) from exc
+        max_tokens = counts.get("max_tokens") or counts.get("max_completion_tokens") or 16
+        gw.validate_tokens(ids, max_tokens, "prompt")
+    elif prompt is not None and not isinstance(prompt, str | list):
+        raise BackendError(
+            400, f"prompt: expected text, a list of texts or a list of token ids, got {prompt!r:.80}"
+        )
 
 
 class Gateway:
@@ -105,13 +137,23 @@ class Gateway:
                 f"context of {limit} tokens; lower max_tokens or shorten the prompt",
             )
 
-    async def run(self, coro_fn: Any) -> tuple[Any, Policy]:
-        """Run a backend call on the current policy, keeping that policy loaded until the call returns."""
+    def authorized(self, request: Request) -> bool:
+        """The caller holds the publish token (anyone does when none is set: loopback only)."""
+        if self.cfg.publish_token is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.cfg.publish_token}".encode())
+
+    async def run(self, coro_fn: Any, request: Request | None = None) -> tuple[Any, Policy]:
+        """Run a backend call on the current policy, keeping that policy loaded until the call returns. With the
+        client's `request`, the call is cancelled (and vLLM aborts its work) when the client goes away."""
         if not self.backend.ready and self.backend.state in ("failed", "stopped"):
             raise BackendError(503, f"sampling backend is {self.backend.state}")
         policy = self.registry.acquire()
         try:
-            return await coro_fn(policy), policy
+            if request is None:
+                return await coro_fn(policy), policy
+            return await until_disconnect(request, coro_fn(policy)), policy
         finally:
             self.registry.release(policy)
             if self.registry.removable():
@@ -150,6 +192,25 @@ class Gateway:
         )
 
 
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work` unless the client disconnects first; then cancel it (closing its connection to vLLM, which
+    aborts the generation) so an abandoned request stops holding the sampler."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, BackendError):
+                    await task
+                raise BackendError(499, "client disconnected; its sampling request was aborted")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 async def _json_object(request: Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.body())
@@ -161,16 +222,28 @@ async def _json_object(request: Request) -> dict[str, Any]:
 
 
 def _parse_generate(body: dict[str, Any]) -> tuple[str, SamplingRequest]:
+    """Either /generate dialect, every field type- and range-checked, as one SamplingRequest."""
+    parsed: VLLMGenerateRequest | SGLangGenerateRequest
     try:
         if "input_ids" in body:
-            return "sglang", SGLangGenerateRequest.model_validate(body).to_sampling()
-        if "prompt" in body:
-            return "vllm", VLLMGenerateRequest.model_validate(body).to_sampling()
+            dialect, parsed = "sglang", SGLangGenerateRequest.model_validate(body)
+        elif "prompt" in body:
+            dialect, parsed = "vllm", VLLMGenerateRequest.model_validate(body)
+        else:
+            raise BackendError(
+                400,
+                "expected 'prompt': {'prompt_token_ids': [...]} (vLLM style) or 'input_ids' (SGLang style)",
+            )
     except ValidationError as exc:
         raise BackendError(400, _validation_message(exc)) from exc
-    raise BackendError(
-        400, "expected 'prompt': {'prompt_token_ids': [...]} (vLLM style) or 'input_ids' (SGLang style)"
-    )
+    # SGLang puts n, max_new_tokens and the sampling parameters under sampling_params.
+    prefix = "sampling_params." if dialect == "sglang" else ""
+    try:
+        req = parsed.to_sampling()
+        SamplingParams.model_validate(req.sampling)
+    except ValidationError as exc:
+        raise BackendError(400, _validation_message(exc, prefix)) from exc
+    return dialect, req
 
 
 def create_app(
@@ -192,6 +265,7 @@ def create_app(
 
     app = FastAPI(title="RL policy gateway", lifespan=lifespan)
     app.state.gateway = gw
+    app.add_middleware(BodyGuard, max_body_bytes=cfg.max_body_bytes, max_json_depth=cfg.max_json_depth)
     app.add_exception_handler(BackendError, _backend_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _request_validation_error)  # type: ignore[arg-type]
     app.include_router(sampling_routes(gw))
@@ -227,7 +301,7 @@ def sampling_routes(gw: Gateway) -> APIRouter:
     async def generate(request: Request) -> JSONResponse:
         dialect, req = _parse_generate(await _json_object(request))
         gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
-        samples, policy = await gw.run(lambda p: backend.sample(req, p))
+        samples, policy = await gw.run(lambda p: backend.sample(req, p), request)
         for s in samples:
             gw.ledger.record(req.prompt_token_ids, s.token_ids, policy.version)
         if dialect == "sglang":
@@ -246,11 +320,11 @@ def openai_routes(gw: Gateway) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
-        return await openai_route(gw, await _json_object(request), "/v1/completions")
+        return await openai_route(gw, request, "/v1/completions")
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> JSONResponse:
-        return await openai_route(gw, await _json_object(request), "/v1/chat/completions")
+        return await openai_route(gw, request, "/v1/chat/completions")
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:
@@ -274,15 +348,14 @@ def openai_routes(gw: Gateway) -> APIRouter:
     return router
 
 
-async def openai_route(gw: Gateway, body: dict[str, Any], path: str) -> JSONResponse:
+async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse:
     """An OpenAI body passed to the backend under the current policy; what was sampled goes into the ledger."""
+    body = await _json_object(request)
     if body.get("stream"):
         raise BackendError(400, "stream=true is not supported by the gateway; send stream=false")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        gw.validate_tokens(prompt, int(body.get("max_tokens") or 16), "prompt")
+    check_openai_body(gw, body)
     body.setdefault("return_token_ids", True)  # lets the ledger record what was sampled
-    result, policy = await gw.run(lambda p: gw.backend.forward(path, body, p))
+    result, policy = await gw.run(lambda p: gw.backend.forward(path, body, p), request)
     for choice in result.get("choices", []):
         prompt_ids = choice.get("prompt_token_ids") or result.get("prompt_token_ids")
         if prompt_ids is not None and choice.get("token_ids") is not None:
@@ -297,19 +370,34 @@ def policy_routes(gw: Gateway) -> APIRouter:
     backend, registry = gw.backend, gw.registry
 
     @router.post("/policy/publish")
-    async def publish(req: PublishRequest, request: Request) -> PublishResponse:
-        if gw.cfg.publish_token is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {gw.cfg.publish_token}".encode()):
-                raise BackendError(401, "publishing needs 'Authorization: Bearer <inference.publish_token>'")
+    async def publish(request: Request) -> PublishResponse:
+        if not gw.authorized(request):  # before the body is read: strangers learn nothing from a parse error
+            raise BackendError(401, "publishing needs 'Authorization: Bearer <inference.publish_token>'")
+        try:
+            req = PublishRequest.model_validate(await _json_object(request))
+        except ValidationError as exc:
+            raise BackendError(400, _validation_message(exc)) from exc
         return await gw.publish(req)
 
     @router.post("/policy/lookup")
-    async def lookup(req: LookupRequest) -> LookupResponse:
+    async def lookup(request: Request) -> LookupResponse:
+        try:
+            req = LookupRequest.model_validate(await _json_object(request))
+        except ValidationError as exc:
+            raise BackendError(400, _validation_message(exc)) from exc
         return LookupResponse(versions=[gw.ledger.lookup(seq) for seq in req.sequences])
 
     @router.get("/policy")
-    async def status() -> PolicyStatus:
+    async def status(request: Request) -> PolicyStatus:
+        if not gw.authorized(request):  # where vLLM listens and its PIDs are for the token's holders only
+            return PolicyStatus(
+                current_version=registry.current.version,
+                loaded_versions=[p.version for p in registry.loaded()],
+                in_flight=registry.in_flight(),
+                healthy=backend.ready,
+                state=backend.state,
+                restarts=backend.restarts,
+            )
         return PolicyStatus(
             current_version=registry.current.version,
             loaded_versions=[p.version for p in registry.loaded()],

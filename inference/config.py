@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+MIN_TOKEN_CHARS = 16  # a publish token off loopback; generated ones are 32 random bytes (43 characters)
 LORA_RANK_CEILINGS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM accepts these for --max-lora-rank
 
 
@@ -35,6 +36,11 @@ class VLLMConfig(BaseModel):
     )
     enforce_eager: bool = Field(False, description="--enforce-eager (skip CUDA graphs)")
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the vLLM command")
+    api_key: str | None = Field(
+        None,
+        description="the key vLLM requires on /v1 (its only door is the gateway); None = a random one per "
+        "gateway start",
+    )
     startup_timeout_s: float = Field(
         600.0, gt=0, description="deadline for the first real completion, seconds"
     )
@@ -106,6 +112,20 @@ class GatewayConfig(BaseModel):
     max_staleness: int = Field(3, ge=0, description="policy versions behind current that stay loaded")
     ledger_size: int = Field(200_000, ge=1, description="completions remembered for /policy/lookup")
     request_timeout_s: float = Field(600.0, gt=0, description="per request to vLLM, seconds")
+    max_body_bytes: int = Field(
+        64 * 2**20,
+        ge=1024,
+        description="largest request body, bytes (413 past it); a lookup of a big batch is a few MB",
+    )
+    max_json_depth: int = Field(
+        64, ge=4, le=10_000, description="deepest JSON nesting accepted (413 past it)"
+    )
+    max_adapter_weight_abs: float = Field(
+        1e4,
+        gt=0,
+        description="largest |value| in an adapter tensor; beyond it the adapter is refused (trained "
+        "LoRA weights stay orders of magnitude below; 1e30 overflows fp32 products and poisons serving)",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
     @model_validator(mode="after")
@@ -114,6 +134,11 @@ class GatewayConfig(BaseModel):
             raise ValueError(
                 f"inference.host={self.host!r} exposes the gateway beyond this machine: set inference.publish_token "
                 "so that only the trainer can publish policies"
+            )
+        if self.host not in LOOPBACK_HOSTS and len(self.publish_token or "") < MIN_TOKEN_CHARS:
+            raise ValueError(
+                f"inference.publish_token has {len(self.publish_token or '')} characters; off loopback it needs "
+                f"at least {MIN_TOKEN_CHARS} (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
             )
         if self.sampler == "tinker" and self.tinker is None:
             raise ValueError(
@@ -160,7 +185,7 @@ def load_gateway_config(path: str | Path | None, overrides: list[str] | None = N
         lines = []
         for err in exc.errors():
             key = ".".join(str(p) for p in err["loc"])
-            seen = "<hidden>" if "publish_token" in key else repr(err.get("input"))
+            seen = "<hidden>" if "token" in key or "api_key" in key else repr(err.get("input"))
             if (
                 not key
             ):  # a model-level error: its input is the whole section (token included), never print it

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from inference.adapters import base_linear_shapes, validate_adapter
 from inference.config import GatewayConfig
 from inference.errors import BackendError
 from inference.policy import Policy
@@ -32,9 +33,10 @@ log = logging.getLogger("inference.vllm")
 
 
 def build_vllm_command(
-    cfg: GatewayConfig, model_path: str, port: int, python: str = sys.executable
+    cfg: GatewayConfig, model_path: str, port: int, api_key: str, python: str = sys.executable
 ) -> tuple[list[str], dict[str, str]]:
-    """argv and the extra environment for a vLLM OpenAI server that accepts LoRA adapters at run time."""
+    """argv and the extra environment for a vLLM OpenAI server that accepts LoRA adapters at run time, and only
+    from callers holding `api_key` (in the environment, never on the command line where `ps` shows it)."""
     v = cfg.vllm
     argv = [
         python,
@@ -71,7 +73,7 @@ def build_vllm_command(
     if v.enforce_eager:
         argv.append("--enforce-eager")
     argv += list(v.extra_args)
-    return argv, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    return argv, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_API_KEY": api_key}
 
 
 def die_with_parent() -> None:
@@ -122,28 +124,6 @@ def parse_completion_choices(body: dict[str, Any]) -> list[Sample]:
     return samples
 
 
-def check_adapter_folder(path: str, max_rank: int) -> None:
-    """Refuse an adapter vLLM would refuse (or crash on) before asking vLLM."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise BackendError(400, f"adapter_path {path!r} is not a folder on the gateway's machine")
-    cfg_file = folder / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise BackendError(400, f"{path!r} has no adapter_config.json: is it a PEFT adapter folder?")
-    if not any((folder / n).is_file() for n in ("adapter_model.safetensors", "adapter_model.bin")):
-        raise BackendError(400, f"{path!r} has no adapter_model.safetensors")
-    try:
-        rank = int(json.loads(cfg_file.read_text()).get("r", 0))
-    except (ValueError, TypeError) as exc:
-        raise BackendError(400, f"{cfg_file} is not valid JSON with an integer 'r': {exc}") from exc
-    if rank > max_rank:
-        raise BackendError(
-            400,
-            f"adapter rank {rank} exceeds the gateway's vllm.max_lora_rank {max_rank}; "
-            "restart the gateway with a larger ceiling or train a smaller rank",
-        )
-
-
 class VLLMBackend:
     def __init__(
         self,
@@ -166,13 +146,19 @@ class VLLMBackend:
         self.pinned_port = port or cfg.vllm.port or None
         self.port = self.pinned_port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._log_offset = 0  # where this process's part of the log starts
+        # vLLM's only door is the gateway: its /v1 routes (adapter loading included) need this key.
+        self.api_key = cfg.vllm.api_key or secrets.token_urlsafe(32)
+        self._log_offset = 0
+        self._base_shapes: dict[str, tuple[int, int]] | None = (
+            None  # read once, at the first publish  # where this process's part of the log starts
+        )
         self.state = "stopped"  # starting | ready | restarting | failed | stopped
         self.restarts = 0
         self.max_model_len: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._ready = asyncio.Event()
         self._client = httpx.AsyncClient(
+            headers={"Authorization": f"Bearer {self.api_key}"},
             base_url=self.url,
             timeout=cfg.request_timeout_s,
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
@@ -190,7 +176,7 @@ class VLLMBackend:
     # --- process lifecycle ----------------------------------------------------------------------------------
 
     def _spawn(self) -> None:
-        argv, extra_env = build_vllm_command(self.cfg, self.model_path, self.port)
+        argv, extra_env = build_vllm_command(self.cfg, self.model_path, self.port, self.api_key)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as logf:
             self._log_offset = logf.tell()
@@ -385,7 +371,11 @@ class VLLMBackend:
         return await self._post(path, {**body, "model": policy.model_name})
 
     def validate_adapter(self, path: str) -> None:
-        check_adapter_folder(path, self.cfg.vllm.max_lora_rank)
+        if self._base_shapes is None:
+            self._base_shapes = base_linear_shapes(self.model_path)
+        validate_adapter(
+            path, self._base_shapes, self.cfg.vllm.max_lora_rank, self.cfg.max_adapter_weight_abs
+        )
 
     async def load_adapter(self, policy: Policy, during_restart: bool = False) -> None:
         body = {"lora_name": policy.model_name, "lora_path": policy.adapter_path}
@@ -394,7 +384,15 @@ class VLLMBackend:
             if r.status_code != 200:
                 raise BackendError(502, f"reloading {policy.model_name} after a restart failed: {r.text}")
         else:
-            await self._post("/v1/load_lora_adapter", body)
+            try:
+                await self._post("/v1/load_lora_adapter", body)
+            except BackendError as exc:
+                if exc.status == 503 and not self.ready:  # vLLM itself is down: the client may retry
+                    raise
+                # vLLM answered, and refused this adapter: the publisher's fault, never a gateway error.
+                raise BackendError(
+                    422, f"vLLM refused the adapter {policy.adapter_path}: {exc.message}"
+                ) from exc
         self.loaded.add(policy.model_name)
 
     async def unload_adapter(self, policy: Policy) -> None:

@@ -11,9 +11,9 @@ sglang_server.py):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 # Sampling parameters forwarded to vLLM; anything else is refused with a 400 naming the key.
 FORWARDED_SAMPLING_KEYS = frozenset(
@@ -39,14 +39,54 @@ FORWARDED_SAMPLING_KEYS = frozenset(
 )
 
 
+# Every integer that reaches vLLM or an array is bounded here; every float is finite.
+MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; the gateway also checks against the served vocab
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Count = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
+class SamplingParams(BaseModel):
+    """The sampling parameters the gateway forwards, each with its type and range (vLLM's own limits, and
+    integers that fit its arrays). Unknown keys are refused, naming the supported ones."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: Annotated[Finite, Field(ge=0, le=1e4)] | None = None
+    top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=MAX_TOKEN_ID)] | None = None
+    min_p: Annotated[Finite, Field(ge=0, le=1)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)] | None = None
+    repetition_penalty: Annotated[Finite, Field(gt=0, le=1e4)] | None = None
+    presence_penalty: Annotated[Finite, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Finite, Field(ge=-2, le=2)] | None = None
+    ignore_eos: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    min_tokens: Count | None = None
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    logit_bias: dict[str, Annotated[Finite, Field(ge=-100, le=100)]] | None = None
+    bad_words: list[str] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
+                raise ValueError(f"logit_bias keys are token ids (0..{MAX_TOKEN_ID}), got {key!r}")
+        return value
+
+
 class SamplingRequest(BaseModel):
     """A dialect-free sampling request: what both /generate formats are turned into."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt_token_ids: list[int] = Field(min_length=1)
-    n: int = Field(1, ge=1, le=1024)
-    max_tokens: int = Field(16, ge=1)
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    n: StrictInt = Field(1, ge=1, le=1024)
+    max_tokens: StrictInt = Field(16, ge=1, le=MAX_TOKEN_ID)
     sampling: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("sampling")
@@ -69,7 +109,7 @@ class Sample(BaseModel):
 
 class VLLMPrompt(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
 
 
 class VLLMGenerateRequest(BaseModel):
@@ -78,9 +118,9 @@ class VLLMGenerateRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     prompt: VLLMPrompt
-    n: int = 1
-    max_tokens: int = 16
-    logprobs: int | None = 0
+    n: StrictInt = Field(1, ge=1, le=1024)
+    max_tokens: StrictInt = Field(16, ge=1, le=MAX_TOKEN_ID)
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = 0
 
     def to_sampling(self) -> SamplingRequest:
         extra = dict(self.model_extra or {})
@@ -98,9 +138,9 @@ class SGLangGenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    input_ids: list[int]
+    input_ids: list[TokenId] = Field(min_length=1)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
-    return_logprob: bool = True
+    return_logprob: StrictBool = True
 
     def to_sampling(self) -> SamplingRequest:
         params = dict(self.sampling_params)
@@ -146,9 +186,11 @@ def sglang_generate_response(
 class PublishRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(ge=1, description="policy version; must exceed the current one")
+    version: StrictInt = Field(ge=1, le=2**62, description="policy version; must exceed the current one")
     adapter_path: str = Field(
-        min_length=1, description="folder with adapter_config.json + adapter_model.safetensors"
+        min_length=1,
+        max_length=4096,
+        description="folder with adapter_config.json + adapter_model.safetensors",
     )
 
 
@@ -162,7 +204,9 @@ class PublishResponse(BaseModel):
 class LookupRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    sequences: list[list[int]] = Field(description="prompt + completion token ids, as in run-api's `tokens`")
+    sequences: list[list[TokenId]] = Field(
+        max_length=1_000_000, description="prompt + completion token ids, as in run-api's `tokens`"
+    )
 
 
 class LookupResponse(BaseModel):

@@ -11,13 +11,13 @@ from typing import Any
 import httpx
 import pytest
 
+from inference.adapters import check_path, read_config
 from inference.app import create_app
 from inference.config import GatewayConfig, GatewayConfigError, load_gateway_config
 from inference.policy import Policy, PolicyRegistry, VersionLedger
 from inference.vllm_backend import (
     BackendError,
     build_vllm_command,
-    check_adapter_folder,
     parse_completion_choices,
 )
 from inference.wire import Sample, SamplingRequest
@@ -31,7 +31,7 @@ def test_vllm_command_line():
         max_staleness=3,
         vllm={"dtype": "float32", "max_lora_rank": 16, "kv_cache_memory_bytes": 1024, "extra_args": ["--x"]},
     )
-    argv, env = build_vllm_command(cfg, "/models/m", 8123, python="py")
+    argv, env = build_vllm_command(cfg, "/models/m", 8123, "k" * 43, python="py")
     assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(argv)
     for part in (
@@ -47,7 +47,9 @@ def test_vllm_command_line():
     ):
         assert part in joined, part
     assert argv[-1] == "--x" and "--gpu-memory-utilization" not in argv
-    assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    # vLLM answers /v1 only with the gateway's key, passed in the environment (argv shows in `ps`).
+    assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_API_KEY": "k" * 43}
+    assert "k" * 43 not in joined
 
 
 def test_config_rules():
@@ -55,7 +57,9 @@ def test_config_rules():
         GatewayConfig(vllm={"max_lora_rank": 12})
     with pytest.raises(ValueError, match="publish_token"):
         GatewayConfig(host="0.0.0.0")
-    assert GatewayConfig(host="0.0.0.0", publish_token="s").host == "0.0.0.0"
+    with pytest.raises(ValueError, match="at least 16"):
+        GatewayConfig(host="0.0.0.0", publish_token="short")
+    assert GatewayConfig(host="0.0.0.0", publish_token="s" * 16).host == "0.0.0.0"
     # The launcher completes the run's section and has the gateway's own model validate it.
     cfg = load_config(RunConfig, None, ["model.path=/some/model", "rollout.max_staleness=2"])
     section = gateway_section(cfg, "/some/model")
@@ -176,7 +180,7 @@ class ScriptedBackend:
         }
 
     def validate_adapter(self, path: str) -> None:
-        check_adapter_folder(path, 8)
+        read_config(check_path(path), 8)  # the tensors of these fake adapters are not real
 
     async def load_adapter(self, policy: Policy) -> None:
         if "bad" in str(policy.adapter_path):
@@ -287,7 +291,10 @@ async def test_stale_version_unloaded_only_after_its_last_request(tmp_path):
     "body,needle",
     [
         ({"prompt": {"prompt_token_ids": [1, 100]}}, "outside the vocabulary"),
-        ({"prompt": {"prompt_token_ids": [-1]}}, "outside the vocabulary"),
+        (
+            {"prompt": {"prompt_token_ids": [-1]}},
+            "prompt.prompt_token_ids.0: Input should be greater than or equal to 0",
+        ),
         ({"prompt": {"prompt_token_ids": []}}, "prompt_token_ids"),
         ({"prompt": {"prompt_token_ids": [1]}, "n": 0}, "n:"),
         ({"prompt": {"prompt_token_ids": [1]}, "max_tokens": 64}, "exceeds the model's context of 64"),

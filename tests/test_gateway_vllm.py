@@ -52,7 +52,10 @@ def adapters(tmp_path_factory, tiny_model_path) -> dict[int, str]:
 def gateway(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("gateway-logs")
     with spawn_gateway(
-        str(ROOT / "configs" / "tiny_cpu.yaml"), ["inference.max_staleness=2"], log_dir, timeout_s=300
+        str(ROOT / "configs" / "tiny_cpu.yaml"),
+        ["inference.max_staleness=2", f"inference.vllm.api_key={VLLM_KEY}"],
+        log_dir,
+        timeout_s=300,
     ) as (url, proc):
         client = GatewayClient(url)
         yield url, client, proc, log_dir
@@ -205,6 +208,7 @@ def test_stop_token_is_included_with_honest_finish_reason(gateway, tiny_model_pa
     assert len(node.logprobs) == len(node.tokens) and node.logprobs[-1] < 0
 
 
+VLLM_KEY = "gateway-test-vllm-key-0123456789"  # to look at vLLM directly, as only the gateway may
 PUBLISHED: dict[int, str] = {}  # version -> adapter folder, for recomputing what the gateway serves
 
 
@@ -300,7 +304,9 @@ def test_versions_outside_the_window_are_unloaded_from_vllm(gateway, adapters):
         v = publish_next(client, adapter)
     status = client.status()
     assert status.current_version == v and status.loaded_versions == [0, v - 2, v - 1, v]  # max_staleness=2
-    served = {m["id"] for m in httpx.get(f"{status.backend_url}/v1/models", timeout=10).json()["data"]}
+    auth = {"Authorization": f"Bearer {VLLM_KEY}"}
+    models = httpx.get(f"{status.backend_url}/v1/models", timeout=10, headers=auth).json()["data"]
+    served = {m["id"] for m in models}
     assert {f"policy-v{v - 2}", f"policy-v{v - 1}", f"policy-v{v}"} <= served
     assert not served & {f"policy-v{v - 3}", f"policy-v{v - 4}"}
 

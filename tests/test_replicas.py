@@ -24,8 +24,14 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parent.parent
 
 
+VLLM_KEY = (
+    "replica-test-vllm-key-0123456789"  # the tests look at each replica directly, with the gateway's key
+)
+
+
 def served_names(url: str) -> set[str]:
-    return {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+    auth = {"Authorization": f"Bearer {VLLM_KEY}"}
+    return {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10, headers=auth).json()["data"]}
 
 
 def generate(url: str) -> httpx.Response:
@@ -49,7 +55,7 @@ def test_two_replicas_publish_failover_and_catch_up(tmp_path):
 
     with spawn_gateway(
         str(ROOT / "configs" / "tiny_cpu.yaml"),
-        ["inference.vllm.replicas=2"],
+        ["inference.vllm.replicas=2", f"inference.vllm.api_key={VLLM_KEY}"],
         tmp_path / "logs",
         timeout_s=400,
     ) as (url, _):

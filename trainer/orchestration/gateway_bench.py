@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import platform
+import secrets
 import statistics
 import subprocess
 import sys
@@ -111,7 +112,8 @@ def measure_cold_restart(gateway_yaml: Path, adapter: str, log: Path) -> float:
             start_new_session=True,
         )
     try:
-        with httpx.Client(base_url=url, timeout=60) as http:
+        auth = {"Authorization": f"Bearer {extra_env['VLLM_API_KEY']}"}
+        with httpx.Client(base_url=url, timeout=60, headers=auth) as http:
 
             def completes() -> bool:
                 if proc.poll() is not None:
@@ -135,7 +137,7 @@ def measure_cold_restart(gateway_yaml: Path, adapter: str, log: Path) -> float:
 
 
 async def measure_overhead(
-    url: str, vllm_url: str, model_name: str, rounds: int, n: int, max_tokens: int
+    vllm_key: str, url: str, vllm_url: str, model_name: str, rounds: int, n: int, max_tokens: int
 ) -> dict[str, Any]:
     prompt = list(range(5, 69))
     sampling = {"n": n, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
@@ -149,13 +151,14 @@ async def measure_overhead(
     }
     times: dict[str, list[float]] = {"gateway": [], "direct": []}
     async with httpx.AsyncClient(timeout=300) as http:
+        direct_auth = {"Authorization": f"Bearer {vllm_key}"}
 
         async def one(kind: str) -> None:
             t0 = time.perf_counter()
             if kind == "gateway":
                 r = await http.post(f"{url}/generate", json=gw_body)
             else:
-                r = await http.post(f"{vllm_url}/v1/completions", json=direct_body)
+                r = await http.post(f"{vllm_url}/v1/completions", json=direct_body, headers=direct_auth)
             r.raise_for_status()
             times[kind].append(time.perf_counter() - t0)
 
@@ -230,7 +233,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Every measurement against one gateway on the tiny model (and cold vLLM starts beside it)."""
     config = str(ROOT / "configs" / "tiny_cpu.yaml")
-    overrides = [f"inference.vllm.replicas={args.replicas}", *args.overrides]
+    vllm_key = secrets.token_urlsafe(32)  # the bench also calls vLLM directly, to compare
+    overrides = [
+        f"inference.vllm.replicas={args.replicas}",
+        f"inference.vllm.api_key={vllm_key}",
+        *args.overrides,
+    ]
     with spawn_gateway(config, overrides, work / "logs", timeout_s=600) as (url, _):
         rows = measure_publishes(url, args.publishes, work / "run")
         client = GatewayClient(url)
@@ -240,7 +248,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         first_replica = status.backend_url.split(",")[0]  # direct calls go to one replica, like the gateway's
         current = f"policy-v{status.current_version}"
         overhead = asyncio.run(
-            measure_overhead(url, first_replica, current, args.rounds, args.n, args.max_tokens)
+            measure_overhead(vllm_key, url, first_replica, current, args.rounds, args.n, args.max_tokens)
         )
         throughput = asyncio.run(
             measure_throughput(url, args.throughput_requests, args.concurrency, args.n, args.max_tokens)

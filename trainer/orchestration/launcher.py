@@ -252,11 +252,31 @@ def bind_locally(cfg: RunConfig) -> tuple[dict[str, int], dict[str, Any]]:
     return {"run-api": api.detach(), "gateway": gateway.detach()}, {"host": host, "port": port}
 
 
+SECRET_KEYS = ("publish_token", "api_key")
+
+
+def redacted(data: Any) -> Any:
+    """A copy of a config for printing: secrets shown only as whether they are set."""
+    if isinstance(data, dict):
+        return {
+            k: ("<hidden>" if k in SECRET_KEYS and v and not str(v).startswith("<") else redacted(v))
+            for k, v in data.items()
+        }
+    return data
+
+
+def write_private(path: Path, text: str) -> None:
+    """Config files hold the publish token: readable by the run's user only."""
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+    path.write_text(text)
+
+
 def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> None:
     placement, address = place_on_slurm(cfg, job, preview=True) if job is not None else (None, None)
-    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    print(yaml.safe_dump(redacted(cfg.model_dump(mode="json")), sort_keys=False), end="")
     print("# gateway.yaml (the gateway's own config, validated by it):")
-    gateway = gateway_section(cfg, cfg.model.path, address)
+    gateway = redacted(gateway_section(cfg, cfg.model.path, address))
     print("".join(f"#   {line}\n" for line in yaml.safe_dump(gateway, sort_keys=False).splitlines()), end="")
     if job is None or placement is None:
         print("# commands (run-api and the gateway get listening sockets from the launcher):")
@@ -299,8 +319,8 @@ def write_run_folder(cfg: RunConfig, run_dir: Path, model_path: str, job: SlurmJ
         cfg.tinker.tokenizer = model_path
     gateway = gateway_section(cfg, model_path, address)
     components = build_components(cfg, run_dir, model_path, placement, job.job_id if job else 0, fds)
-    (run_dir / "gateway.yaml").write_text(yaml.safe_dump(gateway, sort_keys=False))
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    write_private(run_dir / "gateway.yaml", yaml.safe_dump(gateway, sort_keys=False))
+    write_private(run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return components
 
 

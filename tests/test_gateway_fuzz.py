@@ -13,28 +13,21 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import SHARED_VLLM_KEY
 from tests.test_adapters import CASES, variant
 from tests.test_gateway_hostile import HOSTILE
-from trainer.orchestration.gateway_process import spawn_gateway
 from trainer.training.gateway_client import GatewayClient
 from trainer.training.polling import wait_until
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parent.parent
-VLLM_KEY = "fuzz-test-vllm-key-0123456789abcdef"
 KNOWN = {"prompt": {"prompt_token_ids": [5, 6, 7, 8]}, "max_tokens": 4, "temperature": 0.0, "logprobs": 0}
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("fuzz-gateway")
-    overrides = [f"inference.vllm.api_key={VLLM_KEY}"]
-    with spawn_gateway(str(ROOT / "configs" / "tiny_cpu.yaml"), overrides, log_dir, timeout_s=300) as (
-        url,
-        _,
-    ):
-        yield url
+def gateway(shared_gateway) -> str:
+    return str(shared_gateway[0])
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +96,7 @@ def test_poisoned_and_broken_adapters_never_reach_vllm(gateway, good_adapter, tm
     _tokens, _, served = answer(gateway)
     assert served == str(version + 1)
     status = httpx.get(f"{gateway}/policy", timeout=10).json()
-    auth = {"Authorization": f"Bearer {VLLM_KEY}"}
+    auth = {"Authorization": f"Bearer {SHARED_VLLM_KEY}"}
     base = httpx.post(
         f"{status['backend_url']}/v1/completions",
         json={"model": "policy", "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0.0},

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 
+from tests.conftest import SHARED_VLLM_KEY
 from tests.helpers import FIXTURE, group_alive
 from trainer.orchestration.gateway_process import gateway_healthy, spawn_gateway
 from trainer.training.batch import IntakeOptions, convert_batch
@@ -49,17 +50,11 @@ def adapters(tmp_path_factory, tiny_model_path) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("gateway-logs")
-    with spawn_gateway(
-        str(ROOT / "configs" / "tiny_cpu.yaml"),
-        ["inference.max_staleness=2", f"inference.vllm.api_key={VLLM_KEY}"],
-        log_dir,
-        timeout_s=300,
-    ) as (url, proc):
-        client = GatewayClient(url)
-        yield url, client, proc, log_dir
-        client.close()
+def gateway(shared_gateway):
+    url, proc, log_dir = shared_gateway
+    client = GatewayClient(url)
+    yield url, client, proc, log_dir
+    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +127,10 @@ async def managed_completion(url: str, model_path: Path, server_type: str, promp
 
 @pytest.mark.parametrize("server_type", ["vllm", "sglang"])
 def test_atropos_managed_server_gets_consistent_tokens_and_logprobs(
-    gateway, tiny_model_path, tokenizer, server_type
+    gateway, adapters, tiny_model_path, tokenizer, server_type
 ):
     url, client, _, _ = gateway
+    publish_next(client, adapters[1])  # a policy whose weights this test knows, whatever ran before
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 2?"}], tokenize=False, add_generation_prompt=True
     )
@@ -160,9 +156,8 @@ def test_atropos_managed_server_gets_consistent_tokens_and_logprobs(
             assert len(completion_ids) == 8
         else:
             assert reason == "stop" and completion_ids[-1] in eos_ids
-    # logprobs are the policy's: recompute with transformers on the served version (the base model, or the
-    # adapter an earlier test published: the tests run in any order against one gateway)
-    ref = recompute(tiny_model_path, PUBLISHED.get(current), [n.tokens for n in nodes])
+    # logprobs are the policy's: recompute with transformers on the served version
+    ref = recompute(tiny_model_path, PUBLISHED[current], [n.tokens for n in nodes])
     diffs = [
         abs(a - b)
         for n, r in zip(nodes, ref)
@@ -208,7 +203,6 @@ def test_stop_token_is_included_with_honest_finish_reason(gateway, tiny_model_pa
     assert len(node.logprobs) == len(node.tokens) and node.logprobs[-1] < 0
 
 
-VLLM_KEY = "gateway-test-vllm-key-0123456789"  # to look at vLLM directly, as only the gateway may
 PUBLISHED: dict[int, str] = {}  # version -> adapter folder, for recomputing what the gateway serves
 
 
@@ -304,7 +298,7 @@ def test_versions_outside_the_window_are_unloaded_from_vllm(gateway, adapters):
         v = publish_next(client, adapter)
     status = client.status()
     assert status.current_version == v and status.loaded_versions == [0, v - 2, v - 1, v]  # max_staleness=2
-    auth = {"Authorization": f"Bearer {VLLM_KEY}"}
+    auth = {"Authorization": f"Bearer {SHARED_VLLM_KEY}"}
     models = httpx.get(f"{status.backend_url}/v1/models", timeout=10, headers=auth).json()["data"]
     served = {m["id"] for m in models}
     assert {f"policy-v{v - 2}", f"policy-v{v - 1}", f"policy-v{v}"} <= served

@@ -8,6 +8,7 @@ started here. The launcher knows all processes; each process reads only its own 
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from pathlib import Path
@@ -85,10 +86,18 @@ def env_command(cfg: RunConfig, model_path: str, worker: int) -> list[str]:
 
 
 def env_preflight_command(cfg: RunConfig) -> list[str] | None:
-    """The built-in environment's own check of what it needs (e.g. gsm8k's data), run before anything starts."""
+    """The built-in environment's own check of what it needs (e.g. gsm8k's data), run before anything starts;
+    None when the environment has no such check. Read from its source, not imported: an environment process
+    starts in seconds (atroposlib), which a launch should spend only when there is something to check."""
+    module = resolve_env_module(
+        cfg.rollout.env
+    )  # an unknown environment is a ConfigError naming the known ones
     if cfg.rollout.env.endswith(".py"):
         return None
-    return [*resolve_env_module(cfg.rollout.env), "preflight", *env_args_flags(cfg)]
+    source = (ROOT / "environments" / f"{cfg.rollout.env}.py").read_text()
+    if not any(isinstance(n, ast.FunctionDef) and n.name == "preflight" for n in ast.parse(source).body):
+        return None
+    return [*module, "preflight", *env_args_flags(cfg)]
 
 
 def trainer_command(

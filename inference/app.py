@@ -383,25 +383,18 @@ def policy_routes(gw: Gateway) -> APIRouter:
 
     @router.get("/policy")
     async def status(request: Request) -> PolicyStatus:
-        if not gw.authorized(request):  # where vLLM listens and its PIDs are for the token's holders only
-            return PolicyStatus(
-                current_version=registry.current.version,
-                loaded_versions=[p.version for p in registry.loaded()],
-                in_flight=registry.in_flight(),
-                healthy=backend.ready,
-                state=backend.state,
-                restarts=backend.restarts,
-            )
-        return PolicyStatus(
+        state = PolicyStatus(
             current_version=registry.current.version,
             loaded_versions=[p.version for p in registry.loaded()],
             in_flight=registry.in_flight(),
             healthy=backend.ready,
             state=backend.state,
             restarts=backend.restarts,
-            backend_url=backend.url,
-            backend_pid=backend.pid,
-            backend_pids=getattr(backend, "pids", [backend.pid]),
         )
+        if gw.authorized(request):  # where vLLM listens and its PIDs are for the token's holders only
+            state.backend_url = backend.url
+            state.backend_pid = backend.pid
+            state.backend_pids = getattr(backend, "pids", [backend.pid])
+        return state
 
     return router

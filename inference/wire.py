@@ -15,30 +15,6 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-# Sampling parameters forwarded to vLLM; anything else is refused with a 400 naming the key.
-FORWARDED_SAMPLING_KEYS = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "stop",
-        "stop_token_ids",
-        "seed",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "min_tokens",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "logit_bias",
-        "bad_words",
-    }
-)
-
-
 # Every integer that reaches vLLM or an array is bounded here; every float is finite.
 MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; the gateway also checks against the served vocab
 TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -77,6 +53,10 @@ class SamplingParams(BaseModel):
             if not key.isdigit() or int(key) > MAX_TOKEN_ID:
                 raise ValueError(f"logit_bias keys are token ids (0..{MAX_TOKEN_ID}), got {key!r}")
         return value
+
+
+# Sampling parameters forwarded to vLLM; anything else is refused with a 400 naming the key.
+FORWARDED_SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
 
 
 class OpenAIBodyLimits(SamplingParams):

@@ -12,7 +12,8 @@ from environments.toy import compute_target_ids, compute_toy_reward
 from trainer.orchestration.commands import build_components, env_command
 from trainer.orchestration.launcher import progress_line
 from trainer.training.config import ConfigError, RunConfig, load_config
-from trainer.training.loop import _truncate_metrics, split_by_staleness
+from trainer.training.checkpoints import truncate_metrics
+from trainer.training.loop import split_by_staleness
 
 ROOT = Path(__file__).parent.parent
 
@@ -31,7 +32,7 @@ def test_split_by_staleness():
 def test_truncate_metrics_on_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
-    _truncate_metrics(path, 5)
+    assert truncate_metrics(path, 5) == 2
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 
@@ -131,17 +132,6 @@ def test_summary_idle_share_and_rewards():
     s = summarize(rows)
     assert s["idle_share"] == 0.25 and s["reward_first3"] == pytest.approx(0.2)
     assert s["reward_last3"] == pytest.approx(2.9 / 3) and s["publish_s_median"] == 0.1
-
-
-def test_resume_sets_newer_adapters_aside(tmp_path):
-    from trainer.training.loop import _set_aside_newer_adapters
-
-    for v in (1, 2, 3, 4):
-        (tmp_path / f"v{v:06d}").mkdir()
-    _set_aside_newer_adapters(tmp_path, 2)
-    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v000001", "v000002"]
-    (aside,) = tmp_path.glob("discarded-*")
-    assert sorted(p.name for p in aside.iterdir()) == ["v000003", "v000004"]
 
 
 def test_metrics_writer_with_wandb_offline(tmp_path, monkeypatch):

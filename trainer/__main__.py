@@ -57,11 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         import logging
 
-        from trainer.training.loop import run
+        from trainer.training.loop import EXIT_NEEDS_OPERATOR, DiskFull, run
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        run(load_config(RunConfig, args.config, args.overrides))
+        try:
+            run(load_config(RunConfig, args.config, args.overrides))
+        except DiskFull as exc:  # a restart would fail the same way: the launcher stops the run instead
+            logging.getLogger("trainer").error("%s", exc)
+            return EXIT_NEEDS_OPERATOR
         return 0
     if args.command == "config":
         try:

@@ -29,6 +29,7 @@ from trainer.backends.collectives import (
     sum_gradients_hook,
 )
 from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
+from trainer.training.checkpoints import fsync_path
 from trainer.training.config import RunConfig
 from trainer.training.logprobs import compute_token_logprobs
 from trainer.training.losses import (
@@ -347,14 +348,16 @@ class LocalBackend:
         unexpected = getattr(set_peft_model_state_dict(self.model, weights), "unexpected_keys", None) or []
         if unexpected:
             raise ValueError(f"checkpoint {src} has unexpected adapter keys: {unexpected[:3]}")
-        state = torch.load(src / "trainer_state.pt", map_location=self.device, weights_only=False)
+        # weights_only: a checkpoint is data, never code to run (a tampered or foreign file cannot execute).
+        state = torch.load(src / "trainer_state.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self._step = int(state["step"])
         _set_rng_state(state["rng"])
 
 
 class _atomic_dir:
-    """Write into a hidden temp folder beside dest, then rename: readers see all of it or none of it."""
+    """Write into a hidden temp folder beside dest, fsync it, then rename: readers (and a resume after a power cut)
+    see all of it or none of it."""
 
     def __init__(self, dest: Path):
         self.dest = dest
@@ -370,7 +373,11 @@ class _atomic_dir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
+        for path in self.tmp.iterdir():
+            fsync_path(path)
+        fsync_path(self.tmp)
         os.rename(self.tmp, self.dest)
+        fsync_path(self.dest.parent)
 
 
 def _seed_everything(seed: int) -> None:
@@ -380,9 +387,11 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
+    # Only tensors, ints, floats, strings and tuples: what torch.load(weights_only=True) reads back.
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -392,7 +401,8 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

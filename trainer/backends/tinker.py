@@ -24,6 +24,7 @@ import torch
 
 from trainer.backends.base import AdamParams, ForwardBackwardResult
 from trainer.training.batch import TrainingExample, examples_to_tensors
+from trainer.training.checkpoints import write_atomic
 from trainer.training.config import ConfigError, RunConfig
 from trainer.training.losses import (
     LossInputs,
@@ -298,7 +299,8 @@ class TinkerBackend:
             raise FileExistsError(f"checkpoint {dest} exists; choose a new name")
         response = wait(self.client.save_state(name), self.timeout_s, "save_state")
         dest.mkdir(parents=True)
-        (dest / STATE_FILE).write_text(
+        write_atomic(  # a folder without its record is set aside at resume, never loaded
+            dest / STATE_FILE,
             json.dumps(
                 {
                     "state_path": str(response.path),

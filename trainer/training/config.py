@@ -109,6 +109,15 @@ class TrainerConfig(_Section):
         description="torch threads when training on CPU; None = torch's default (all cores). With vLLM "
         "on the same cores, 1 avoids fighting its OpenMP workers",
     )
+    retry_budget_s: float = Field(
+        300.0,
+        ge=1,
+        description="how long a call to run-api or the gateway keeps retrying transient failures (connection "
+        "errors, timeouts, 502/503/504) before the trainer gives up and names the component",
+    )
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="per-attempt timeout of the trainer's calls to run-api and gateway lookups"
+    )
 
 
 class DistributedConfig(_Section):
@@ -193,6 +202,12 @@ class LaunchConfig(_Section):
     slurm_bind_host: str = Field(
         "0.0.0.0",
         description="under SLURM: address run-api and the gateway bind (other nodes must reach them)",
+    )
+    max_restarts_per_hour: int = Field(
+        10,
+        ge=0,
+        description="restarts of each component (trainer, run-api, an environment, the gateway) the launcher "
+        "makes within any hour before it gives up and stops the run; 0 = a death ends the run",
     )
     slurm_port_base: int = Field(
         20000,

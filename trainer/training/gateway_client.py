@@ -1,17 +1,29 @@
-"""The trainer's client of the gateway: one method per route. The one import across a process boundary in the
-project: the gateway's wire types (inference.wire), so both sides parse the same bodies."""
+"""The trainer's client of the gateway: one method per route, each retried through transient failures (a gateway
+or vLLM restart, a stalled process) within a budget. The one import across a process boundary in the project: the
+gateway's wire types (inference.wire), so both sides parse the same bodies."""
 
 from __future__ import annotations
 
 import httpx
 
 from inference.wire import LookupRequest, LookupResponse, PolicyStatus, PublishRequest, PublishResponse
+from trainer.training.retries import Edge, checked
+
+PUBLISH_TIMEOUT_S = 600.0  # an adapter load waits for a vLLM restart when one is under way
 
 
 class GatewayClient:
-    def __init__(self, url: str, publish_token: str | None = None, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        url: str,
+        publish_token: str | None = None,
+        timeout_s: float = 30.0,
+        retry_budget_s: float = 300.0,
+        log: str = "the gateway's log",
+    ):
         headers = {"Authorization": f"Bearer {publish_token}"} if publish_token else {}
         self.url = url
+        self.edge = Edge("gateway", url, log, retry_budget_s)
         self._http = httpx.Client(base_url=url, timeout=timeout_s, headers=headers)
 
     def close(self) -> None:
@@ -23,21 +35,22 @@ class GatewayClient:
         except httpx.HTTPError:
             return False
 
-    def _post(self, path: str, body: dict) -> dict:
-        r = self._http.post(path, json=body)
-        if r.status_code != 200:
-            raise RuntimeError(f"gateway {path} answered {r.status_code}: {r.text}")
-        return dict(r.json())
+    def _post(self, path: str, body: dict, timeout_s: float | None = None) -> dict:
+        timeout = self._http.timeout if timeout_s is None else httpx.Timeout(timeout_s)
+        response = self.edge.call(lambda: checked(self._http.post(path, json=body, timeout=timeout)), path)
+        return dict(response.json())
 
-    def publish(self, version: int, adapter_path: str) -> PublishResponse:
-        body = PublishRequest(version=version, adapter_path=adapter_path).model_dump()
-        return PublishResponse.model_validate(self._post("/policy/publish", body))
+    def publish(self, version: int, adapter_path: str | None, replace_newer: bool = False) -> PublishResponse:
+        """Make `version` the served policy. A retry of a publish that already landed is answered as a no-op by the
+        gateway; `replace_newer` (a trainer restarted from a checkpoint) retracts every version above it."""
+        body = PublishRequest(version=version, adapter_path=adapter_path, replace_newer=replace_newer)
+        raw = self._post("/policy/publish", body.model_dump(), PUBLISH_TIMEOUT_S)
+        return PublishResponse.model_validate(raw)
 
     def lookup(self, sequences: list[list[int]]) -> list[int | None]:
         body = LookupRequest(sequences=sequences).model_dump()
         return LookupResponse.model_validate(self._post("/policy/lookup", body)).versions
 
     def status(self) -> PolicyStatus:
-        r = self._http.get("/policy")
-        r.raise_for_status()
-        return PolicyStatus.model_validate(r.json())
+        response = self.edge.call(lambda: checked(self._http.get("/policy")), "/policy")
+        return PolicyStatus.model_validate(response.json())

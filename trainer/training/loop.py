@@ -9,9 +9,12 @@ version can lag the step count. Pure helpers (staleness filter) are separate; th
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +26,23 @@ from trainer.backends.base import TrainingBackend
 from trainer.backends.collectives import rank_info
 from trainer.backends.data_parallel import RankZeroBackend
 from trainer.training.batch import ConvertedBatch, IntakeOptions, convert_batch, parse_batch_response
+from trainer.training.checkpoints import (
+    LoopState,
+    adapter_dir,
+    checkpoint_name,
+    disk_free,
+    folder_bytes,
+    read_latest,
+    repair,
+    write_loop_state,
+)
 from trainer.training.config import RunConfig
 from trainer.training.gateway_client import GatewayClient
 from trainer.training.polling import wait_until
+from trainer.training.retries import Edge, checked
 from trainer.training.schedule import build_adam_params
 
 log = logging.getLogger("trainer.training.loop")
-LATEST = "latest"  # file in checkpoints/ naming the newest complete checkpoint
 
 
 @dataclass
@@ -61,10 +74,19 @@ def split_by_staleness(
 
 
 class RunApi:
-    def __init__(self, url: str, timeout_s: float = 30.0):
-        self._http = httpx.Client(base_url=url, timeout=timeout_s)
+    """Atropos's run-api, as the trainer uses it. Calls are retried through transient failures; a run-api that
+    answers "not registered" was restarted (by the launcher) and is registered with again at the current step."""
 
-    def register(self, cfg: RunConfig, starting_step: int) -> None:
+    def __init__(self, cfg: RunConfig, url: str, log: str):
+        self.cfg = cfg
+        self.edge = Edge("run-api", url, log, cfg.trainer.retry_budget_s)
+        self._http = httpx.Client(base_url=url, timeout=cfg.trainer.request_timeout_s)
+        self.step = 0  # where a re-registration starts; the loop keeps it current
+        self.reregistrations = 0
+
+    def register(self, starting_step: int) -> None:
+        self.step = starting_step
+        cfg = self.cfg
         body = {
             "wandb_group": Path(cfg.trainer.output_dir).name,
             "wandb_project": cfg.launch.wandb_project,
@@ -75,12 +97,16 @@ class RunApi:
             "starting_step": starting_step,
             "num_steps": cfg.rollout.num_steps,
         }
-        self._http.post("/register", json=body).raise_for_status()
+        self.edge.call(lambda: checked(self._http.post("/register", json=body)), "/register")
 
     def fetch_batch(self) -> list[Any] | None:
-        r = self._http.get("/batch")
-        r.raise_for_status()
-        return parse_batch_response(r.json())
+        body = self.edge.call(lambda: checked(self._http.get("/batch")), "/batch").json()
+        if isinstance(body, dict) and body.get("status") == "error" and "register" in str(body.get("message")):
+            log.warning("run-api has no registration (it was restarted); registering again at step %d", self.step)
+            self.reregistrations += 1
+            self.register(self.step)
+            return None
+        return parse_batch_response(body)
 
 
 class MetricsWriter:
@@ -110,37 +136,39 @@ class MetricsWriter:
             self._wandb.finish()
 
 
-@dataclass
-class LoopState:
-    step: int = 0  # batches consumed
-    version: int = 0  # latest published policy version (= optimizer updates made)
+class StopRequested(Exception):
+    """SIGTERM arrived while the trainer was between steps."""
 
 
-def latest_checkpoint(run_dir: Path) -> tuple[Path, LoopState] | None:
-    pointer = run_dir / "checkpoints" / LATEST
-    if not pointer.exists():
-        return None
-    ckpt = run_dir / "checkpoints" / pointer.read_text().strip()
-    state = json.loads((ckpt.parent / f"{ckpt.name}.loop.json").read_text())
-    return ckpt, LoopState(step=int(state["step"]), version=int(state["version"]))
+class Stopper:
+    """SIGTERM (the launcher stopping the run) ends the loop at the next step boundary, where the state on disk
+    and in memory agree, so the final checkpoint is exact; a step under way is finished first."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, _: Any) -> None:
+        log.warning("signal %d: stopping after the current step with a final checkpoint", signum)
+        self.requested = True
+
+    def check(self) -> None:
+        if self.requested:
+            raise StopRequested
 
 
-def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -> None:
-    name = f"step-{state.step:06d}"
-    backend.save_state(name)
-    ckpts = run_dir / "checkpoints"
-    for path, text in (
-        (ckpts / f"{name}.loop.json", json.dumps({"step": state.step, "version": state.version})),
-        (ckpts / LATEST, name),
-    ):
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)  # `latest` moves only once the checkpoint and its loop state are complete
+def wait_for_batch(api: RunApi, poll_s: float, stopper: Stopper | None = None) -> list[Any]:
+    """The next batch, however long the environments take to fill it (or until a stop is requested)."""
 
+    def ready() -> list[Any] | None:
+        if stopper is not None:
+            stopper.check()
+        return api.fetch_batch()
 
-def wait_for_batch(api: RunApi, poll_s: float) -> list[Any]:
-    """The next batch, however long the environments take to fill it."""
-    return wait_until(api.fetch_batch, None, "a batch from run-api", poll_s)
+    return wait_until(ready, None, "a batch from run-api", poll_s)
 
 
 def sampled_tokens(groups: list[Any]) -> int:
@@ -183,10 +211,23 @@ def run(cfg: RunConfig) -> None:
 
 def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> None:
     assert cfg.launch.run_api_url is not None and cfg.launch.gateway_url is not None
-    gateway = GatewayClient(cfg.launch.gateway_url, cfg.inference.get("publish_token"))
-    api = RunApi(cfg.launch.run_api_url)
+    logs = run_dir / "logs"
+    gateway = GatewayClient(
+        cfg.launch.gateway_url,
+        cfg.inference.get("publish_token"),
+        timeout_s=cfg.trainer.request_timeout_s,
+        retry_budget_s=cfg.trainer.retry_budget_s,
+        log=str(logs / "gateway.log"),
+    )
+    api = RunApi(cfg, cfg.launch.run_api_url, str(logs / "run-api.log"))
+    stopper = Stopper()
+    stopper.install()
     state = _resume(backend, gateway, run_dir)
-    api.register(cfg, state.step)
+    if state.step >= cfg.rollout.num_steps:
+        log.info("the run is already at step %d of %d: nothing to do", state.step, cfg.rollout.num_steps)
+        return
+    warn_if_disk_short(cfg, backend, run_dir, state)
+    api.register(state.step)
     metrics = MetricsWriter(run_dir / "metrics.jsonl", cfg.launch.wandb, cfg)
     intake = IntakeOptions(
         vocab_size=backend.vocab_size,
@@ -196,55 +237,131 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> None:
         require_sampler_logprobs=cfg.loss.name != "cross_entropy",
     )
     started = time.monotonic()
-    while state.step < cfg.rollout.num_steps:
-        row = _one_step(cfg, backend, gateway, api, intake, state)
-        row["wall_s"] = time.monotonic() - started
-        row["unix_time"] = time.time()  # lines steps up with outside clocks (e.g. a SLURM job's start time)
-        metrics.write(row)
-        if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
-            save_checkpoint(backend, run_dir, state)
+    checkpointed = state.step
+    try:
+        while state.step < cfg.rollout.num_steps:
+            _ensure_gateway_policy(gateway, run_dir, state)
+            row = _one_step(cfg, backend, gateway, api, intake, state, stopper)
+            api.step = state.step
+            row["wall_s"] = time.monotonic() - started
+            row["unix_time"] = time.time()  # lines steps up with outside clocks (e.g. a SLURM job's start time)
+            row.update(fault_counts(run_dir, api.reregistrations))
+            metrics.write(row)
+            if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
+                save_checkpoint(backend, run_dir, state)
+                checkpointed = state.step
+            stopper.check()
+    except StopRequested:
+        log.info("stopping at step %d", state.step)
+    if cfg.trainer.checkpoint_every and checkpointed != state.step:
+        save_checkpoint(backend, run_dir, state)  # the end of the run, or a stop: nothing to redo on resume
     metrics.close()
     gateway.close()
 
 
+def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -> None:
+    """Backend state, then loop state, then `latest`; a full disk is one clear error and the previous
+    checkpoint stays `latest`."""
+    try:
+        backend.save_state(checkpoint_name(state.step))
+        write_loop_state(run_dir, state)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        previous = read_latest(run_dir)
+        raise DiskFull(
+            f"disk full writing checkpoint {checkpoint_name(state.step)} in {run_dir / 'checkpoints'} "
+            f"({disk_free(run_dir)} bytes free); the last good checkpoint is "
+            f"{previous[0] if previous else 'none'}. Free space (old runs, adapters/) and resume with "
+            f"--resume {run_dir}"
+        ) from exc
+    log.info("checkpoint at step %d (policy version %d)", state.step, state.version)
+
+
+class DiskFull(RuntimeError):
+    """No room for a checkpoint: a restart cannot fix it, a person can."""
+
+
+EXIT_NEEDS_OPERATOR = 3  # the trainer's exit code for DiskFull: the launcher does not restart it
+
+
+def warn_if_disk_short(cfg: RunConfig, backend: TrainingBackend, run_dir: Path, state: LoopState) -> None:
+    """Warn at start when the disk cannot hold the checkpoints and adapters the rest of the run will write (sizes
+    from those already on disk, or from one adapter written now)."""
+    steps_left = cfg.rollout.num_steps - state.step
+    adapters = sorted((run_dir / "adapters").glob("v[0-9]*"))
+    ckpt = read_latest(run_dir)
+    adapter_bytes = folder_bytes(adapters[-1]) if adapters else 0
+    ckpt_bytes = folder_bytes(ckpt[0]) if ckpt else 3 * adapter_bytes  # adapter + two Adam moments
+    every = cfg.trainer.checkpoint_every
+    need = steps_left * adapter_bytes + (steps_left // every + 1 if every else 0) * ckpt_bytes
+    free = disk_free(run_dir)
+    if need > free:
+        log.warning(
+            "%s has %d bytes free; the remaining %d steps will write about %d bytes of adapters and checkpoints",
+            run_dir,
+            free,
+            steps_left,
+            need,
+        )
+
+
+def fault_counts(run_dir: Path, reregistrations: int) -> dict[str, float]:
+    """Restarts the launcher made so far (its faults.json), as cumulative `faults/...` metrics."""
+    counts: dict[str, float] = dict.fromkeys(FAULT_KEYS, 0.0)
+    try:
+        counts.update({k: float(v) for k, v in json.loads((run_dir / "faults.json").read_text()).items()})
+    except (OSError, ValueError, AttributeError):
+        pass  # no launcher (a test driving the loop), or a write in progress: zeros this row
+    counts["run_api_reregistrations"] = float(reregistrations)
+    return {f"faults/{k}": v for k, v in counts.items()}
+
+
+FAULT_KEYS = (
+    "restarts_trainer",
+    "restarts_run_api",
+    "restarts_env",
+    "restarts_gateway",
+    "restarts_vllm",
+    "lost_queued_sequences",
+)
+
+
 def _resume(backend: TrainingBackend, gateway: GatewayClient, run_dir: Path) -> LoopState:
-    """Load the newest checkpoint (if any) and make its adapter the gateway's current policy."""
-    found = latest_checkpoint(run_dir)
-    if found is None:
-        return LoopState()
-    ckpt, state = found
-    backend.load_state(str(ckpt))
-    _truncate_metrics(run_dir / "metrics.jsonl", state.step)
-    _set_aside_newer_adapters(run_dir / "adapters", state.version)
+    """Repair the run folder after whatever stopped the last trainer, load the newest complete checkpoint (if
+    any), and make its adapter the gateway's current policy, retracting versions published after it."""
+    fixed = repair(run_dir)
+    for path in fixed.swept or []:
+        log.info("removed an interrupted write: %s", path)
+    state = fixed.state or LoopState()
+    if fixed.checkpoint is not None:
+        backend.load_state(str(fixed.checkpoint))
+        log.info("resumed from %s at step %d (policy version %d)", fixed.checkpoint, state.step, state.version)
+    if fixed.metrics_rows_dropped:
+        log.info("dropped %d metrics rows after step %d: they are redone", fixed.metrics_rows_dropped, state.step)
+    adapter: str | None = None
     if state.version > 0:
-        adapter = run_dir / "adapters" / f"v{state.version:06d}"
-        path = str(adapter) if adapter.exists() else backend.save_for_sampler(state.version)
-        gateway.publish(state.version, path)
-    log.info("resumed from %s at step %d (policy version %d)", ckpt, state.step, state.version)
+        path = adapter_dir(run_dir, state.version)
+        adapter = str(path) if path.exists() else backend.save_for_sampler(state.version)
+    reply = gateway.publish(state.version, adapter, replace_newer=True)
+    if reply.retracted:
+        log.warning("the gateway retracted versions %s of the interrupted run", reply.retracted)
     return state
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop rows of steps after the checkpoint: the resumed run does them again."""
-    if not path.exists():
+def _ensure_gateway_policy(gateway: GatewayClient, run_dir: Path, state: LoopState) -> None:
+    """A gateway restarted by the launcher serves the base model: publish the trainer's version again."""
+    status = gateway.status()
+    if status.current_version == state.version:
         return
-    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(row + "\n" for row in rows))
-    tmp.replace(path)
-
-
-def _set_aside_newer_adapters(adapters: Path, version: int) -> None:
-    """Adapters published after the checkpoint belong to the interrupted timeline: move them out of the way (kept
-    for inspection) so the resumed run writes those versions afresh."""
-    newer = [p for p in adapters.glob("v*") if p.is_dir() and int(p.name[1:]) > version]
-    if not newer:
-        return
-    aside = adapters / f"discarded-{time.strftime('%Y%m%d-%H%M%S')}"
-    aside.mkdir(parents=True, exist_ok=True)
-    for path in newer:
-        path.rename(aside / path.name)
-    log.info("moved %d adapters newer than version %d to %s", len(newer), version, aside)
+    log.warning(
+        "the gateway serves version %d, the trainer is at %d (the gateway was restarted): publishing %d again",
+        status.current_version,
+        state.version,
+        state.version,
+    )
+    adapter = str(adapter_dir(run_dir, state.version)) if state.version > 0 else None
+    gateway.publish(state.version, adapter, replace_newer=True)
 
 
 def versions_by_group(gateway: GatewayClient, groups: list[Any]) -> list[list[int | None]]:
@@ -273,10 +390,11 @@ def _one_step(
     api: RunApi,
     intake: IntakeOptions,
     state: LoopState,
+    stopper: Stopper | None = None,
 ) -> dict[str, Any]:
     """Consume one batch; train and publish if anything in it is trainable. Advances `state`."""
     times = StepTimes(time.monotonic())
-    groups = wait_for_batch(api, cfg.trainer.batch_poll_s)
+    groups = wait_for_batch(api, cfg.trainer.batch_poll_s, stopper)
     times.batch = time.monotonic()
     versions = versions_by_group(gateway, groups)
     split = split_by_staleness(groups, versions, state.version, cfg.rollout.max_staleness)

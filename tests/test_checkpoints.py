@@ -1,0 +1,169 @@
+"""What a crash at any point leaves in a run folder, and the repair a restarted trainer makes; the trainer's retries
+of run-api and the gateway. Each crash state is built on disk exactly as the interrupted write leaves it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from trainer.training.checkpoints import (
+    LATEST,
+    LoopState,
+    read_latest,
+    repair,
+    write_loop_state,
+)
+from trainer.training.config import RunConfig, load_config
+from trainer.training.loop import RunApi, fault_counts
+from trainer.training.retries import ComponentDown, Edge, checked
+
+
+def make_checkpoint(run: Path, step: int, version: int, loop_state: bool = True, latest: bool = True) -> None:
+    (run / "checkpoints" / f"step-{step:06d}").mkdir(parents=True)
+    (run / "checkpoints" / f"step-{step:06d}" / "trainer_state.pt").write_bytes(b"x")
+    if loop_state:
+        state = {"step": step, "version": version}
+        (run / "checkpoints" / f"step-{step:06d}.loop.json").write_text(json.dumps(state))
+    if latest:
+        (run / "checkpoints" / LATEST).write_text(f"step-{step:06d}")
+
+
+def make_adapters(run: Path, *versions: int) -> None:
+    for v in versions:
+        (run / "adapters" / f"v{v:06d}").mkdir(parents=True)
+
+
+def write_metrics(run: Path, steps: range, torn: bool = False) -> None:
+    text = "".join(json.dumps({"step": s}) + "\n" for s in steps)
+    (run / "metrics.jsonl").write_text(text + ('{"step": 9' if torn else ""))
+
+
+def steps_in_metrics(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_crash_before_the_first_checkpoint_starts_clean(tmp_path):
+    """The trainer killed at step 3: adapters v1..v3 and rows 1..3 exist, no checkpoint (the run used to be
+    unresumable: `adapters/v000001 exists`)."""
+    make_adapters(tmp_path, 1, 2, 3)
+    (tmp_path / "adapters" / ".v000004.tmp-4242").mkdir()  # killed during an adapter save
+    write_metrics(tmp_path, range(1, 4))
+    fixed = repair(tmp_path)
+    assert fixed.checkpoint is None and fixed.state is None
+    assert not list((tmp_path / "adapters").glob("v*")) and not list((tmp_path / "adapters").glob(".*"))
+    (aside,) = (tmp_path / "adapters").glob("discarded-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["v000001", "v000002", "v000003"]
+    assert steps_in_metrics(tmp_path) == [] and fixed.metrics_rows_dropped == 3
+
+
+def test_crash_between_checkpoint_rename_and_latest(tmp_path):
+    """step-15 renamed into place (with or without its loop state) but `latest` still names step-10: the newer
+    folder is set aside and step 10 resumes (it used to block every resume: `checkpoint step-15 exists`)."""
+    make_checkpoint(tmp_path, 10, 7)
+    make_checkpoint(tmp_path, 15, 11, latest=False)
+    make_checkpoint(tmp_path, 20, 12, loop_state=False, latest=False)
+    (tmp_path / "checkpoints" / ".step-000025.tmp-99").mkdir()
+    (tmp_path / "checkpoints" / ".latest.tmp-99").write_text("step-0000")
+    make_adapters(tmp_path, *range(1, 13))
+    write_metrics(tmp_path, range(1, 17), torn=True)
+    fixed = repair(tmp_path)
+    assert fixed.state == LoopState(step=10, version=7)
+    assert fixed.checkpoint == tmp_path / "checkpoints" / "step-000010"
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith("discarded")) == [
+        LATEST,
+        "step-000010",
+        "step-000010.loop.json",
+    ]
+    (aside,) = ckpts.glob("discarded-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step-000015", "step-000015.loop.json", "step-000020"]
+    assert sorted(p.name for p in (tmp_path / "adapters").glob("v*")) == [f"v{v:06d}" for v in range(1, 8)]
+    assert steps_in_metrics(tmp_path) == list(range(1, 11))
+    assert len(fixed.swept or []) == 2
+
+
+def test_latest_naming_a_missing_checkpoint_falls_back_to_the_newest_complete_one(tmp_path):
+    make_checkpoint(tmp_path, 5, 4)
+    make_checkpoint(tmp_path, 10, 8, loop_state=False)  # latest -> step-10, whose loop state never landed
+    assert read_latest(tmp_path) is None
+    fixed = repair(tmp_path)
+    assert fixed.state == LoopState(5, 4)
+
+
+def test_write_loop_state_moves_latest_last(tmp_path):
+    (tmp_path / "checkpoints" / "step-000004").mkdir(parents=True)
+    write_loop_state(tmp_path, LoopState(4, 3))
+    found = read_latest(tmp_path)
+    assert found is not None and found[1] == LoopState(4, 3)
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if ".tmp-" in p.name]
+
+
+def test_fault_counts_read_the_launchers_file(tmp_path):
+    assert fault_counts(tmp_path, 0)["faults/restarts_trainer"] == 0.0
+    (tmp_path / "faults.json").write_text(json.dumps({"restarts_trainer": 2, "restarts_vllm": 1}))
+    counts = fault_counts(tmp_path, 1)
+    assert counts["faults/restarts_trainer"] == 2.0 and counts["faults/restarts_vllm"] == 1.0
+    assert counts["faults/run_api_reregistrations"] == 1.0
+
+
+# --- retries ------------------------------------------------------------------------------------------------
+
+
+def flaky(responses: list[int | Exception]) -> tuple[httpx.Client, list[str]]:
+    """A client whose server answers with each status (or raises each exception) in turn."""
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        item = responses.pop(0) if len(responses) > 1 else responses[0]
+        if isinstance(item, Exception):
+            raise item
+        return httpx.Response(item, json={"batch": None})
+
+    return httpx.Client(transport=httpx.MockTransport(handler), base_url="http://run-api"), seen
+
+
+def test_transient_failures_are_retried_until_an_answer():
+    client, seen = flaky([httpx.ConnectError("refused"), 503, httpx.ReadTimeout("slow"), 502, 200])
+    edge = Edge("run-api", "http://run-api", "logs/run-api.log", budget_s=30, max_wait_s=0.01)
+    assert edge.call(lambda: checked(client.get("/batch")), "/batch").status_code == 200
+    assert len(seen) == 5
+
+
+def test_a_4xx_is_never_retried():
+    client, seen = flaky([422])
+    edge = Edge("gateway", "http://gw", "logs/gateway.log", budget_s=30, max_wait_s=0.01)
+    with pytest.raises(httpx.HTTPStatusError, match="422"):
+        edge.call(lambda: checked(client.get("/policy")), "/policy")
+    assert len(seen) == 1
+
+
+def test_past_the_budget_the_error_names_component_url_and_log():
+    client, seen = flaky([httpx.ConnectError("refused")])
+    edge = Edge("run-api", "http://127.0.0.1:9", "RUN/logs/run-api.log", budget_s=0.3, max_wait_s=0.05)
+    with pytest.raises(ComponentDown, match=r"run-api at http://127.0.0.1:9: /batch .*read RUN/logs/run-api.log"):
+        edge.call(lambda: checked(client.get("/batch")), "/batch")
+    assert len(seen) >= 2
+
+
+def test_run_api_restarted_is_registered_with_again_at_the_current_step(tmp_path):
+    cfg = load_config(RunConfig, None, [f"trainer.output_dir={tmp_path}"])
+    registered: list[int] = []
+    answers = [{"status": "error", "message": "Trainer not registered. Call /register first.", "batch": []}]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/register":
+            registered.append(json.loads(request.content)["starting_step"])
+            return httpx.Response(200, json={"uuid": 1})
+        return httpx.Response(200, json=answers.pop(0) if answers else {"batch": [{"tokens": [[1]]}]})
+
+    api = RunApi(cfg, "http://run-api", "run-api.log")
+    api._http = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://run-api")
+    api.register(0)
+    api.step = 12
+    assert api.fetch_batch() is None  # the restarted run-api's answer
+    assert registered == [0, 12] and api.reregistrations == 1
+    assert api.fetch_batch() == [{"tokens": [[1]]}]

@@ -3,10 +3,13 @@ ManagedServer nodes, and the process entry point. Imports atroposlib; nothing he
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -36,6 +39,39 @@ def group_from_nodes(nodes: Sequence[Any], scores: Sequence[float]) -> ScoredDat
         group["inference_logprobs"].append(node.logprobs)
         group["scores"].append(float(score))
     return group
+
+
+class ResumableData(BaseEnv):
+    """Keeps an environment's place in its data across restarts, through Atropos's own env checkpoints: saved
+    with each trainer checkpoint interval, and loaded by a (re)started environment from the newest one at or
+    before the step run-api registers it at (Atropos itself loads only an exact step match, and names the folder
+    after the registration count, which changes when an environment is restarted)."""
+
+    data_position: tuple[str, ...] = ()  # attributes that hold the place, e.g. ("index",)
+
+    def _position_folder(self) -> Path:
+        return Path(self.checkpoint_dir) / "env_checkpoints" / str(self.config.wandb_name)
+
+    def save_checkpoint(self, step: int, data: dict[str, Any] | None = None) -> None:
+        position = {**(data or {}), **{key: getattr(self, key) for key in self.data_position}}
+        folder = self._position_folder()
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".step-{step}.json.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(position))
+        tmp.replace(folder / f"step-{step}.json")
+
+    def load_checkpoint(self) -> None:
+        saved = []
+        for path in self._position_folder().glob("step-*.json"):
+            match = re.fullmatch(r"step-(\d+)\.json", path.name)
+            if match and int(match.group(1)) <= self.curr_step:
+                saved.append((int(match.group(1)), path))
+        if not saved:
+            return
+        step, path = max(saved)
+        for key, value in json.loads(path.read_text()).items():
+            setattr(self, key, value)
+        logging.getLogger(__name__).info("resumed the data position of step %d: %s", step, path.read_text())
 
 
 Preflight = Callable[[dict[str, str]], list[str]]

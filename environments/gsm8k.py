@@ -13,10 +13,17 @@ import random
 from pathlib import Path
 from typing import Any
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import APIServerConfig, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
 
-from environments.common import completion_ids, gateway_servers, group_from_nodes, hub_reachable, run_cli
+from environments.common import (
+    ResumableData,
+    completion_ids,
+    gateway_servers,
+    group_from_nodes,
+    hub_reachable,
+    run_cli,
+)
 
 SYSTEM_PROMPT = (
     "Solve the math problem step by step. End with the final answer as a number in \\boxed{}, "
@@ -102,8 +109,9 @@ class GSM8KConfig(BaseEnvConfig):
     seed: int = Field(42, description="shuffle seed (the reference run used 42, 121212, 65432)")
 
 
-class GSM8KEnv(BaseEnv):
+class GSM8KEnv(ResumableData):
     name = "gsm8k"
+    data_position = ("index",)
     env_config_cls = GSM8KConfig  # type: ignore[assignment]
 
     @classmethod

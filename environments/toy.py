@@ -10,10 +10,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import APIServerConfig, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
 
-from environments.common import completion_ids, gateway_servers, group_from_nodes, run_cli
+from environments.common import ResumableData, completion_ids, gateway_servers, group_from_nodes, run_cli
 
 PROMPTS = [
     "Say something.",
@@ -52,8 +52,9 @@ class ToyEnvConfig(BaseEnvConfig):
     seed: int = Field(0, description="prompt order seed")
 
 
-class ToyEnv(BaseEnv):
+class ToyEnv(ResumableData):
     name = "toy"
+    data_position = ("next_index",)
     env_config_cls = ToyEnvConfig  # type: ignore[assignment]
 
     @classmethod

@@ -17,7 +17,8 @@ from trainer.training.checkpoints import (
     write_loop_state,
 )
 from trainer.training.config import RunConfig, load_config
-from trainer.training.loop import RunApi, fault_counts
+from trainer.training.faults import fault_counts
+from trainer.training.loop import RunApi
 from trainer.training.retries import ComponentDown, Edge, checked
 
 
@@ -144,7 +145,9 @@ def test_a_4xx_is_never_retried():
 def test_past_the_budget_the_error_names_component_url_and_log():
     client, seen = flaky([httpx.ConnectError("refused")])
     edge = Edge("run-api", "http://127.0.0.1:9", "RUN/logs/run-api.log", budget_s=0.3, max_wait_s=0.05)
-    with pytest.raises(ComponentDown, match=r"run-api at http://127.0.0.1:9: /batch .*read RUN/logs/run-api.log"):
+    with pytest.raises(
+        ComponentDown, match=r"run-api at http://127.0.0.1:9: /batch .*read RUN/logs/run-api.log"
+    ):
         edge.call(lambda: checked(client.get("/batch")), "/batch")
     assert len(seen) >= 2
 

@@ -10,9 +10,9 @@ import pytest
 from environments.gsm8k import extract_gold, score_completion
 from environments.toy import compute_target_ids, compute_toy_reward
 from trainer.orchestration.commands import build_components, env_command
-from trainer.orchestration.launcher import progress_line
-from trainer.training.config import ConfigError, RunConfig, load_config
+from trainer.orchestration.supervisor import progress_line
 from trainer.training.checkpoints import truncate_metrics
+from trainer.training.config import ConfigError, RunConfig, load_config
 from trainer.training.loop import split_by_staleness
 
 ROOT = Path(__file__).parent.parent
@@ -162,3 +162,30 @@ def test_resume_takes_overrides_after_the_run_folder(tmp_path, capsys):
     assert main(["--resume", str(tmp_path), "rollout.num_steps=50", "optim.lr=0.5", "--dry-run"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out.split("# commands")[0])
     assert printed["rollout"]["num_steps"] == 50 and printed["optim"]["lr"] == 0.5
+
+
+def test_environments_resume_their_data_position(tmp_path):
+    """Saved at each checkpoint step; a (re)started env takes the newest at or before its registration step."""
+    from types import SimpleNamespace
+
+    from environments.common import ResumableData
+    from environments.toy import ToyEnv
+
+    assert ToyEnv.data_position == ("next_index",)
+
+    def env(step: int, index: int) -> SimpleNamespace:
+        ns = SimpleNamespace(
+            checkpoint_dir=str(tmp_path), config=SimpleNamespace(wandb_name="toy-0"), curr_step=step
+        )
+        ns.data_position, ns.next_index = ("next_index",), index
+        ns._position_folder = lambda: ResumableData._position_folder(ns)  # type: ignore[arg-type]
+        return ns
+
+    ResumableData.save_checkpoint(env(0, 41), 10)  # type: ignore[arg-type]
+    ResumableData.save_checkpoint(env(0, 90), 20)  # type: ignore[arg-type]
+    restarted = env(17, 0)
+    ResumableData.load_checkpoint(restarted)  # type: ignore[arg-type]
+    assert restarted.next_index == 41
+    fresh = env(5, 0)
+    ResumableData.load_checkpoint(fresh)  # type: ignore[arg-type]
+    assert fresh.next_index == 0

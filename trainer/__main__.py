@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         import logging
 
-        from trainer.training.loop import EXIT_NEEDS_OPERATOR, DiskFull, run
+        from trainer.training.faults import EXIT_NEEDS_OPERATOR, DiskFull
+        from trainer.training.loop import run
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -388,7 +388,8 @@ def _seed_everything(seed: int) -> None:
 
 def _rng_state() -> dict[str, Any]:
     # Only tensors, ints, floats, strings and tuples: what torch.load(weights_only=True) reads back.
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)  # the legacy form is always (str, ndarray, int, int, float)
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),

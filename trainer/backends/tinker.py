@@ -308,7 +308,7 @@ class TinkerBackend:
                     "base_model": self.cfg.model.path,
                     "rank": self.cfg.lora.rank,
                 }
-            )
+            ),
         )
         return str(dest)
 

@@ -1,7 +1,9 @@
 """The process supervisor behind launch.sh: resolve and validate the run config, write the run folder, start
 run-api, the gateway (with vLLM), the environment(s) and the trainer in that order, each after the previous one is
-healthy, print one line per training step, and stop everything it started (its own children, by PID/process
-group) on Ctrl-C, SIGTERM, a component's death, or the end of the run.
+healthy; then supervise the run (trainer/orchestration/supervisor.py: one line per step, a component that dies is
+restarted within launch.max_restarts_per_hour), and stop everything it started (its own children, by PID/process
+group) on Ctrl-C, SIGTERM, a death past the restart budget, or the end of the run. A resumed run that already
+reached its step count exits 0 without starting anything.
 
     python -m trainer.orchestration.launcher ENV [--backend local|tinker] [--config FILE] [--dry-run]
                                              [--resume RUN_DIR] [k=v ...]
@@ -10,7 +12,6 @@ group) on Ctrl-C, SIGTERM, a component's death, or the end of the run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import secrets
 import shlex
@@ -22,108 +23,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from trainer.orchestration.commands import PY, ROOT, build_components, env_preflight_command
 from trainer.orchestration.processes import Component, listen, stop_all
 from trainer.orchestration.slurm import Placement, SlurmJob, job_from_env, parse_nodelist, plan
+from trainer.orchestration.supervisor import LaunchError, Supervisor, wait_http
+from trainer.training.checkpoints import read_latest
 from trainer.training.config import ConfigError, RunConfig, load_config
-from trainer.training.polling import wait_until
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 ANY_HOST = frozenset({"0.0.0.0", "::"})
-ENVS_DONE_GRACE_S = 600.0  # the trainer may still be finishing its last step after the envs hit num_steps
-
-
-class LaunchError(RuntimeError):
-    """A component could not start or died; the message names the log to read."""
-
-
-def wait_http(url: str, comp: Component, timeout_s: float, what: str) -> None:
-    def answered() -> bool:
-        code = comp.exited()
-        if code is not None:
-            raise LaunchError(
-                f"{comp.name} exited with code {code} before {what}; read {comp.log}:\n{comp.tail()}"
-            )
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(url, timeout=5).status_code == 200
-        return False
-
-    try:
-        wait_until(answered, timeout_s, f"{comp.name} {what}")
-    except TimeoutError:
-        raise LaunchError(
-            f"{comp.name} not {what} within {timeout_s:.0f}s; read {comp.log}:\n{comp.tail()}"
-        ) from None
-
-
-def progress_line(row: dict[str, Any], total: int) -> str:
-    def fmt(key: str, spec: str) -> str:
-        return "-" if row.get(key) is None else format(row[key], spec)
-
-    return (
-        f"step {row['step']:>4}/{total} | v{row['policy_version']} | reward {fmt('reward/mean', '.3f')} | "
-        f"loss {fmt('loss', '+.4f')} | "
-        f"step {row['time/step_s']:.2f}s (wait {row['time/wait_for_batch_s']:.2f}s, train "
-        f"{row['time/train_s']:.2f}s, publish {row['time/publish_s']:.2f}s) | staleness "
-        f"{row['policy/staleness_mean']:.2f}/{row['policy/staleness_max']:.0f} | dropped stale "
-        f"{row['rollouts/dropped_stale']:.0f}"
-    )
-
-
-class Supervisor:
-    """Watches a running run: prints new metrics rows, returns 0 when the trainer finishes, raises LaunchError when
-    any component dies (an environment may exit 0: it stops by itself once run-api's step count is reached)."""
-
-    def __init__(self, components: list[Component], cfg: RunConfig, metrics: Path):
-        self.trainer = components[-1]
-        self.others = components[:-1]
-        self.envs = [c for c in components if c.name.startswith("env")]
-        self.cfg = cfg
-        self.metrics = metrics
-        self.rows_seen = 0
-        self.envs_done_at: float | None = None
-
-    def run(self) -> int:
-        while (code := self.poll()) is None:
-            time.sleep(0.5)
-        return code
-
-    def poll(self) -> int | None:
-        self.print_new_rows()
-        code = self.trainer.exited()
-        if code is not None:
-            if code != 0:
-                raise LaunchError(
-                    f"trainer exited with code {code}; read {self.trainer.log}:\n{self.trainer.tail()}"
-                )
-            print(
-                f"run finished: {self.metrics}\ncompare runs: {Path(PY).parent}/python -m trainer report "
-                f"{self.metrics.parent} OTHER_RUN_DIR ... --out REPORT_DIR",
-                flush=True,
-            )
-            return 0
-        for comp in self.others:
-            code = comp.exited()
-            if code is not None and not (comp in self.envs and code == 0):
-                raise LaunchError(f"{comp.name} exited with code {code}; read {comp.log}:\n{comp.tail()}")
-        if self.envs_done_at is None and all(e.exited() == 0 for e in self.envs):
-            self.envs_done_at = time.monotonic()
-        if self.envs_done_at is not None and time.monotonic() - self.envs_done_at > ENVS_DONE_GRACE_S:
-            raise LaunchError(
-                f"every environment finished but the trainer is still waiting; read {self.trainer.log}"
-            )
-        return None
-
-    def print_new_rows(self) -> None:
-        if not self.metrics.exists():
-            return
-        rows = self.metrics.read_text().splitlines()
-        for line in rows[self.rows_seen :]:
-            print(progress_line(json.loads(line), self.cfg.rollout.num_steps), flush=True)
-        self.rows_seen = len(rows)
 
 
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
@@ -335,11 +245,6 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
         f"waiting for the gateway and vLLM (log: {gateway.log}, {run_dir / 'logs' / 'vllm.log'})", flush=True
     )
     wait_http(f"{cfg.launch.gateway_url}/health", gateway, cfg.launch.health_timeout_s, "healthy")
-    # vLLM runs in its own process group under the gateway; record it so a user (or test) can check on it.
-    token = cfg.inference.get("publish_token")
-    auth = {"Authorization": f"Bearer {token}"} if token else {}
-    status = httpx.get(f"{cfg.launch.gateway_url}/policy", timeout=10, headers=auth).json()
-    sampler_pid = status.get("backend_pid")
     for env in envs:
         env.start()
     time.sleep(1.0)  # an environment with a bad flag exits at once: say so before the trainer starts
@@ -347,13 +252,19 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
         if env.exited() is not None:
             raise LaunchError(f"{env.name} exited with code {env.exited()}; read {env.log}:\n{env.tail()}")
     trainer.start()
-    pids = {c.name: c.proc.pid for c in components if c.proc}
-    (run_dir / "pids.json").write_text(json.dumps({**pids, "vllm": sampler_pid}))
 
 
 def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: SlurmJob | None = None) -> int:
     if dry_run:
         print_dry_run(cfg, run_dir, job)
+        return 0
+    done = read_latest(run_dir) if resumed else None
+    if done is not None and done[1].step >= cfg.rollout.num_steps:
+        print(
+            f"{run_dir} already finished: checkpoint {done[0].name} is step {done[1].step} of "
+            f"{cfg.rollout.num_steps}; nothing to start (to train on, resume with rollout.num_steps=N)",
+            flush=True,
+        )
         return 0
     model_path = preflight(cfg)
     components = write_run_folder(cfg, run_dir, model_path, job)
@@ -368,7 +279,7 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
     try:
         start_all(components, cfg, run_dir)
         print("all components up; training", flush=True)
-        return Supervisor(components, cfg, run_dir / "metrics.jsonl").run()
+        return Supervisor(components, cfg, run_dir).run()
     except KeyboardInterrupt:
         print(f"launch.sh: stopping on signal {stopping['signal'] or 'SIGINT'}", file=sys.stderr)
         return 128 + (stopping["signal"] or signal.SIGINT)

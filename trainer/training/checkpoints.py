@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +103,8 @@ class Repair:
 
     checkpoint: Path | None = None
     state: LoopState | None = None
-    swept: list[str] | None = None  # temp folders and files removed
-    set_aside: list[str] | None = None  # moved to a discarded-* folder
+    swept: list[str] = field(default_factory=list)  # temp folders and files removed
+    set_aside: list[str] = field(default_factory=list)  # moved to a discarded-* folder
     metrics_rows_dropped: int = 0
 
 
@@ -112,7 +112,7 @@ def repair(run_dir: Path) -> Repair:
     """Make the run folder consistent with its newest complete checkpoint (or with a fresh start when there is
     none): sweep temp writes; set aside checkpoints newer than `latest` or without loop state, and adapters and
     metrics rows of steps after it. Returns the checkpoint to load, if any."""
-    out = Repair(swept=[], set_aside=[])
+    out = Repair()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for folder in (run_dir / "checkpoints", run_dir / "adapters", run_dir):
         out.swept += _sweep_temp(folder)

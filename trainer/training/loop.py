@@ -37,6 +37,7 @@ from trainer.training.checkpoints import (
     write_loop_state,
 )
 from trainer.training.config import RunConfig
+from trainer.training.faults import DiskFull, fault_counts
 from trainer.training.gateway_client import GatewayClient
 from trainer.training.polling import wait_until
 from trainer.training.retries import Edge, checked
@@ -101,8 +102,14 @@ class RunApi:
 
     def fetch_batch(self) -> list[Any] | None:
         body = self.edge.call(lambda: checked(self._http.get("/batch")), "/batch").json()
-        if isinstance(body, dict) and body.get("status") == "error" and "register" in str(body.get("message")):
-            log.warning("run-api has no registration (it was restarted); registering again at step %d", self.step)
+        if (
+            isinstance(body, dict)
+            and body.get("status") == "error"
+            and "register" in str(body.get("message"))
+        ):
+            log.warning(
+                "run-api has no registration (it was restarted); registering again at step %d", self.step
+            )
             self.reregistrations += 1
             self.register(self.step)
             return None
@@ -244,7 +251,9 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> None:
             row = _one_step(cfg, backend, gateway, api, intake, state, stopper)
             api.step = state.step
             row["wall_s"] = time.monotonic() - started
-            row["unix_time"] = time.time()  # lines steps up with outside clocks (e.g. a SLURM job's start time)
+            row["unix_time"] = (
+                time.time()
+            )  # lines steps up with outside clocks (e.g. a SLURM job's start time)
             row.update(fault_counts(run_dir, api.reregistrations))
             metrics.write(row)
             if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
@@ -278,13 +287,6 @@ def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -
     log.info("checkpoint at step %d (policy version %d)", state.step, state.version)
 
 
-class DiskFull(RuntimeError):
-    """No room for a checkpoint: a restart cannot fix it, a person can."""
-
-
-EXIT_NEEDS_OPERATOR = 3  # the trainer's exit code for DiskFull: the launcher does not restart it
-
-
 def warn_if_disk_short(cfg: RunConfig, backend: TrainingBackend, run_dir: Path, state: LoopState) -> None:
     """Warn at start when the disk cannot hold the checkpoints and adapters the rest of the run will write (sizes
     from those already on disk, or from one adapter written now)."""
@@ -306,43 +308,26 @@ def warn_if_disk_short(cfg: RunConfig, backend: TrainingBackend, run_dir: Path, 
         )
 
 
-def fault_counts(run_dir: Path, reregistrations: int) -> dict[str, float]:
-    """Restarts the launcher made so far (its faults.json), as cumulative `faults/...` metrics."""
-    counts: dict[str, float] = dict.fromkeys(FAULT_KEYS, 0.0)
-    try:
-        counts.update({k: float(v) for k, v in json.loads((run_dir / "faults.json").read_text()).items()})
-    except (OSError, ValueError, AttributeError):
-        pass  # no launcher (a test driving the loop), or a write in progress: zeros this row
-    counts["run_api_reregistrations"] = float(reregistrations)
-    return {f"faults/{k}": v for k, v in counts.items()}
-
-
-FAULT_KEYS = (
-    "restarts_trainer",
-    "restarts_run_api",
-    "restarts_env",
-    "restarts_gateway",
-    "restarts_vllm",
-    "lost_queued_sequences",
-)
-
-
 def _resume(backend: TrainingBackend, gateway: GatewayClient, run_dir: Path) -> LoopState:
     """Repair the run folder after whatever stopped the last trainer, load the newest complete checkpoint (if
     any), and make its adapter the gateway's current policy, retracting versions published after it."""
     fixed = repair(run_dir)
-    for path in fixed.swept or []:
+    for path in fixed.swept:
         log.info("removed an interrupted write: %s", path)
     state = fixed.state or LoopState()
     if fixed.checkpoint is not None:
         backend.load_state(str(fixed.checkpoint))
-        log.info("resumed from %s at step %d (policy version %d)", fixed.checkpoint, state.step, state.version)
+        log.info(
+            "resumed from %s at step %d (policy version %d)", fixed.checkpoint, state.step, state.version
+        )
     if fixed.metrics_rows_dropped:
-        log.info("dropped %d metrics rows after step %d: they are redone", fixed.metrics_rows_dropped, state.step)
+        log.info(
+            "dropped %d metrics rows after step %d: they are redone", fixed.metrics_rows_dropped, state.step
+        )
     adapter: str | None = None
     if state.version > 0:
-        path = adapter_dir(run_dir, state.version)
-        adapter = str(path) if path.exists() else backend.save_for_sampler(state.version)
+        saved = adapter_dir(run_dir, state.version)
+        adapter = str(saved) if saved.exists() else backend.save_for_sampler(state.version)
     reply = gateway.publish(state.version, adapter, replace_newer=True)
     if reply.retracted:
         log.warning("the gateway retracted versions %s of the interrupted run", reply.retracted)

@@ -11,8 +11,14 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
-from tenacity import RetryCallState, RetryError, Retrying, retry_if_exception, stop_after_delay
-from tenacity import wait_random_exponential
+from tenacity import (
+    RetryCallState,
+    RetryError,
+    Retrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_random_exponential,
+)
 
 T = TypeVar("T")
 log = logging.getLogger("trainer.training.retries")

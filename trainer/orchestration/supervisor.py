@@ -1,0 +1,229 @@
+"""Watching a running run, and healing it: print each new metrics row; when a component dies, restart it (and what
+depends on it) within a budget of restarts per hour; count every restart where the trainer's next metrics row
+picks it up (RUN_DIR/faults.json). Who restarts what:
+
+- vLLM: the gateway (inference/vllm_backend.py); the supervisor only counts its restarts.
+- an environment: restarted alone; it registers with run-api again and resumes its data position.
+- run-api: restarted on the same socket, then the environments (their registrations died with it); the trainer
+  registers again by itself. Rollouts queued in run-api are lost and counted (`lost_queued_sequences`).
+- the trainer: run-api and the environments are restarted with it, so that run-api's step count starts again from
+  the trainer's last checkpoint, which the new trainer resumes from.
+- the gateway: restarted on the same socket; the trainer publishes its current version to it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from trainer.orchestration.commands import PY
+from trainer.orchestration.processes import Component, stop_all
+from trainer.training.checkpoints import write_atomic
+from trainer.training.config import RunConfig
+from trainer.training.faults import EXIT_NEEDS_OPERATOR, FAULT_KEYS, FAULTS_FILE
+from trainer.training.polling import wait_until
+
+ENVS_DONE_GRACE_S = 600.0  # the trainer may still be finishing its last step after the envs hit num_steps
+PROBE_EVERY_S = 5.0  # run-api's queue and the gateway's vLLM restart count
+HOUR_S = 3600.0
+
+
+class LaunchError(RuntimeError):
+    """A component could not start or died past its restart budget; the message names the log to read."""
+
+
+def wait_http(url: str, comp: Component, timeout_s: float, what: str) -> None:
+    def answered() -> bool:
+        code = comp.exited()
+        if code is not None:
+            raise LaunchError(
+                f"{comp.name} exited with code {code} before {what}; read {comp.log}:\n{comp.tail()}"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(url, timeout=5).status_code == 200
+        return False
+
+    try:
+        wait_until(answered, timeout_s, f"{comp.name} {what}")
+    except TimeoutError:
+        raise LaunchError(
+            f"{comp.name} not {what} within {timeout_s:.0f}s; read {comp.log}:\n{comp.tail()}"
+        ) from None
+
+
+def progress_line(row: dict[str, Any], total: int) -> str:
+    def fmt(key: str, spec: str) -> str:
+        return "-" if row.get(key) is None else format(row[key], spec)
+
+    return (
+        f"step {row['step']:>4}/{total} | v{row['policy_version']} | reward {fmt('reward/mean', '.3f')} | "
+        f"loss {fmt('loss', '+.4f')} | "
+        f"step {row['time/step_s']:.2f}s (wait {row['time/wait_for_batch_s']:.2f}s, train "
+        f"{row['time/train_s']:.2f}s, publish {row['time/publish_s']:.2f}s) | staleness "
+        f"{row['policy/staleness_mean']:.2f}/{row['policy/staleness_max']:.0f} | dropped stale "
+        f"{row['rollouts/dropped_stale']:.0f}"
+    )
+
+
+class Supervisor:
+    """Runs until the trainer finishes (returns 0) or something cannot be healed (raises LaunchError). An
+    environment may exit 0: it stops by itself once run-api's step count is reached."""
+
+    def __init__(self, components: list[Component], cfg: RunConfig, run_dir: Path):
+        self.components = components
+        self.api, self.gateway, *self.envs, self.trainer = components
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.metrics = run_dir / "metrics.jsonl"
+        self.rows_seen = 0
+        self.envs_done_at: float | None = None
+        self.restarted_at: dict[str, list[float]] = {}
+        self.faults: dict[str, int] = dict.fromkeys(FAULT_KEYS, 0)
+        self.queued = 0  # sequences waiting in run-api at the last probe
+        self.vllm_restarts = 0  # the gateway's count at the last probe
+        self.next_probe = 0.0
+        token = cfg.inference.get("publish_token")
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def run(self) -> int:
+        self.write_pids()
+        while (code := self.poll()) is None:
+            time.sleep(0.5)
+        return code
+
+    def poll(self) -> int | None:
+        self.print_new_rows()
+        code = self.trainer.exited()
+        if code == 0:
+            print(
+                f"run finished: {self.metrics}\ncompare runs: {Path(PY).parent}/python -m trainer report "
+                f"{self.run_dir} OTHER_RUN_DIR ... --out REPORT_DIR",
+                flush=True,
+            )
+            return 0
+        if code is not None:
+            self.heal(self.trainer, code)
+            return None
+        for comp in (self.api, self.gateway, *self.envs):
+            code = comp.exited()
+            if code is not None and not (comp in self.envs and code == 0):
+                self.heal(comp, code)
+                return None
+        if self.envs_done_at is None and all(e.exited() == 0 for e in self.envs):
+            self.envs_done_at = time.monotonic()
+        if self.envs_done_at is not None and time.monotonic() - self.envs_done_at > ENVS_DONE_GRACE_S:
+            raise LaunchError(
+                f"every environment finished but the trainer is still waiting; read {self.trainer.log}"
+            )
+        if time.monotonic() >= self.next_probe:
+            self.probe()
+        return None
+
+    # --- healing --------------------------------------------------------------------------------------------
+
+    def heal(self, comp: Component, code: int) -> None:
+        self.allow_restart(comp, code)
+        if comp is self.trainer:
+            group, key = [self.api, *self.envs, self.trainer], "restarts_trainer"
+            self.faults["lost_queued_sequences"] += self.queued
+        elif comp is self.api:
+            group, key = [self.api, *self.envs], "restarts_run_api"
+            self.faults["lost_queued_sequences"] += self.queued
+        elif comp is self.gateway:
+            group, key = [self.gateway], "restarts_gateway"
+        else:
+            group, key = [comp], "restarts_env"
+        also = [c.name for c in group if c is not comp]
+        print(
+            f"launch.sh: {comp.name} died (exit code {code}); restarting it"
+            + (f" with {', '.join(also)}" if also else "")
+            + f" (restart {len(self.restarted_at[comp.name])} this hour; log {comp.log})",
+            flush=True,
+        )
+        self.faults[key] += 1
+        self.queued = 0
+        self.restart(group)
+        self.write_faults()
+        self.write_pids()
+        self.envs_done_at = None
+
+    def allow_restart(self, comp: Component, code: int) -> None:
+        if comp is self.trainer and code == EXIT_NEEDS_OPERATOR:
+            raise LaunchError(f"trainer stopped and needs you; read {comp.log}:\n{comp.tail()}")
+        now = time.monotonic()
+        recent = [t for t in self.restarted_at.get(comp.name, []) if now - t < HOUR_S]
+        limit = self.cfg.launch.max_restarts_per_hour
+        if len(recent) >= limit:
+            why = (
+                "restarts are off" if limit == 0 else f"it was restarted {len(recent)} times within the hour"
+            )
+            raise LaunchError(
+                f"{comp.name} exited with code {code} and {why} (launch.max_restarts_per_hour={limit}); "
+                f"read {comp.log}:\n{comp.tail()}"
+            )
+        self.restarted_at[comp.name] = [*recent, now]
+
+    def restart(self, group: list[Component]) -> None:
+        """Stop what is still running in `group`, then start it again in start order, each once healthy."""
+        stop_all(group)
+        timeout = self.cfg.launch.health_timeout_s
+        for comp in self.components:
+            if comp not in group:
+                continue
+            comp.start()
+            if comp is self.api:
+                wait_http(f"{self.cfg.launch.run_api_url}/status", comp, timeout, "answering /status")
+            elif comp is self.gateway:
+                wait_http(f"{self.cfg.launch.gateway_url}/health", comp, timeout, "healthy")
+                self.vllm_restarts = 0  # a new gateway counts its vLLM restarts from zero
+
+    # --- observing ------------------------------------------------------------------------------------------
+
+    def probe(self) -> None:
+        """Remember run-api's queue (lost if it dies) and count vLLM restarts the gateway made."""
+        self.next_probe = time.monotonic() + PROBE_EVERY_S
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            status = httpx.get(f"{self.cfg.launch.run_api_url}/status", timeout=5).json()
+            self.queued = int(status["queue_size"])
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            url = f"{self.cfg.launch.gateway_url}/policy"
+            restarts = int(httpx.get(url, timeout=5, headers=self.auth).json()["restarts"])
+            if restarts > self.vllm_restarts:
+                self.faults["restarts_vllm"] += restarts - self.vllm_restarts
+                print(
+                    f"launch.sh: the gateway restarted vLLM (restart {restarts}; log "
+                    f"{self.run_dir / 'logs' / 'vllm.log'})",
+                    flush=True,
+                )
+                self.write_faults()
+                self.write_pids()
+            self.vllm_restarts = restarts
+
+    def write_faults(self) -> None:
+        write_atomic(self.run_dir / FAULTS_FILE, json.dumps(self.faults))
+
+    def write_pids(self) -> None:
+        """RUN_DIR/pids.json: each component's PID and vLLM's, for a person (or a fault test) to look at."""
+        pids: dict[str, int | None] = {c.name: c.proc.pid for c in self.components if c.proc}
+        pids["vllm"] = None
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            url = f"{self.cfg.launch.gateway_url}/policy"
+            pids["vllm"] = httpx.get(url, timeout=5, headers=self.auth).json().get("backend_pid")
+        write_atomic(self.run_dir / "pids.json", json.dumps(pids))
+
+    def print_new_rows(self) -> None:
+        if not self.metrics.exists():
+            return
+        text = self.metrics.read_text()
+        rows = text.splitlines()[: text.count("\n")]  # a row being written is read at the next poll
+        if len(rows) < self.rows_seen:  # a restarted trainer dropped the rows after its checkpoint
+            self.rows_seen = len(rows)
+        for line in rows[self.rows_seen :]:
+            with contextlib.suppress(ValueError, KeyError):
+                print(progress_line(json.loads(line), self.cfg.rollout.num_steps), flush=True)
+        self.rows_seen = len(rows)

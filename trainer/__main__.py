@@ -7,6 +7,7 @@ python -m trainer summary RUN_DIR [RUN_DIR ...]                      # a run in 
 python -m trainer report RUN_DIR [RUN_DIR ...] --out DIR             # side-by-side comparison report
 python -m trainer bench [...]                                        # trainer throughput benchmark (JSON)
 python -m trainer bench-gateway [...]                                # gateway benchmark (JSON)
+python -m trainer soak --minutes 30 --fault-every 60                 # the toy loop under faults (JSON)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ TOOLS = {  # sub-command -> module whose main(argv) it runs
     "report": "trainer.orchestration.report",
     "bench": "trainer.orchestration.bench",
     "bench-gateway": "trainer.orchestration.gateway_bench",
+    "soak": "trainer.orchestration.soak",
 }
 
 

@@ -14,15 +14,20 @@ folders, a checkpoint newer than `latest`, adapters of steps that were never che
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trainer.training.faults import DiskFull
 
 log = logging.getLogger("trainer.training.checkpoints")
 LATEST = "latest"
@@ -198,6 +203,35 @@ def _row_step(line: str) -> float:
         return float(row["step"])
     except (ValueError, KeyError, TypeError):
         return float("inf")  # a row cut off by a crash (or a full disk): drop it
+
+
+FULL_BELOW_BYTES = 1 << 20  # a write that failed with less free than this failed for want of space
+
+
+def looks_like_full_disk(exc: BaseException, run_dir: Path) -> bool:
+    """safetensors and torch.save report ENOSPC in their own exception types; the free space tells."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    return "no space left" in str(exc).lower() or disk_free(run_dir) < FULL_BELOW_BYTES
+
+
+@contextlib.contextmanager
+def full_disk_is_one_error(run_dir: Path) -> Iterator[None]:
+    """Any write of the run failing for want of space becomes one DiskFull naming the folder, the bytes free and
+    the checkpoint a resume will load."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as exc:
+        if not looks_like_full_disk(exc, run_dir):
+            raise
+        previous = read_latest(run_dir)
+        raise DiskFull(
+            f"disk full under {run_dir} ({disk_free(run_dir)} bytes free): {exc}. The last good checkpoint is "
+            f"{previous[0] if previous else 'none (the run restarts from step 0)'}; free some space (old runs, "
+            f"adapters/) and continue with: bash launch.sh --resume {run_dir}"
+        ) from exc
 
 
 def disk_free(path: Path) -> int:

@@ -9,7 +9,6 @@ version can lag the step count. Pure helpers (staleness filter) are separate; th
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import signal
@@ -32,12 +31,13 @@ from trainer.training.checkpoints import (
     checkpoint_name,
     disk_free,
     folder_bytes,
+    full_disk_is_one_error,
     read_latest,
     repair,
     write_loop_state,
 )
 from trainer.training.config import RunConfig
-from trainer.training.faults import DiskFull, fault_counts
+from trainer.training.faults import fault_counts
 from trainer.training.gateway_client import GatewayClient
 from trainer.training.polling import wait_until
 from trainer.training.retries import Edge, checked
@@ -209,7 +209,8 @@ def run(cfg: RunConfig) -> None:
         follow_rank_zero(cfg)
         return
     backend = build_training_backend(cfg)
-    _run_main(cfg, backend, run_dir)
+    with full_disk_is_one_error(run_dir):
+        _run_main(cfg, backend, run_dir)
     # On an exception rank 0 exits instead; torchrun then stops the other ranks (a stop message could land in the
     # middle of a collective they are waiting in).
     if isinstance(backend, RankZeroBackend):
@@ -269,21 +270,10 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> None:
 
 
 def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -> None:
-    """Backend state, then loop state, then `latest`; a full disk is one clear error and the previous
-    checkpoint stays `latest`."""
-    try:
-        backend.save_state(checkpoint_name(state.step))
-        write_loop_state(run_dir, state)
-    except OSError as exc:
-        if exc.errno != errno.ENOSPC:
-            raise
-        previous = read_latest(run_dir)
-        raise DiskFull(
-            f"disk full writing checkpoint {checkpoint_name(state.step)} in {run_dir / 'checkpoints'} "
-            f"({disk_free(run_dir)} bytes free); the last good checkpoint is "
-            f"{previous[0] if previous else 'none'}. Free space (old runs, adapters/) and resume with "
-            f"--resume {run_dir}"
-        ) from exc
+    """Backend state, then loop state, then `latest`: until `latest` moves, the previous checkpoint is the one a
+    resume loads (a full disk midway leaves it so)."""
+    backend.save_state(checkpoint_name(state.step))
+    write_loop_state(run_dir, state)
     log.info("checkpoint at step %d (policy version %d)", state.step, state.version)
 
 

@@ -92,7 +92,7 @@ def test_the_trainer_exits_with_the_code_the_launcher_does_not_restart():
         sup.allow_restart(sup.trainer, EXIT_NEEDS_OPERATOR)
     sup.allow_restart(sup.envs[0], -9)
     sup.allow_restart(sup.envs[0], -9)
-    with pytest.raises(LaunchError, match="restarted 2 times within the hour.*max_restarts_per_hour=2"):
+    with pytest.raises(LaunchError, match=r"restarted 2 times within the hour.*max_restarts_per_hour=2"):
         sup.allow_restart(sup.envs[0], -9)
     sup.allow_restart(sup.trainer, 1)  # each component has its own budget
     off = Supervisor(comps, load_config(RunConfig, None, ["launch.max_restarts_per_hour=0"]), Path("/x"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -52,9 +51,9 @@ def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
         since = 0.0
         for fault in SCHEDULE:
 
-            def progressed() -> bool:
+            def progressed(after: float = since) -> bool:
                 assert proc.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
-                return rows_since(run, since) >= 2  # two steps since the last fault: it healed
+                return rows_since(run, after) >= 2  # two steps since the last fault: it healed
 
             wait_until(progressed, 600, f"two steps before {fault.name}", 0.5)
             since = time.time()

@@ -127,7 +127,7 @@ def test_registry_window_and_in_flight():
     with pytest.raises(ValueError):
         reg.publish(Policy(4, "again", "/a/4"))
     with pytest.raises(ValueError):
-        reg.remove(4)
+        reg.remove(reg.current)
 
 
 def test_ledger_is_bounded_and_keyed_by_full_sequence():
@@ -385,3 +385,221 @@ async def test_openai_routes_carry_version_and_feed_ledger(tmp_path):
         assert lookup.json() == {"versions": [1]}
         models = (await client.get("/v1/models")).json()
         assert models["data"][0]["policy_version"] == 1
+
+
+# --- retries, rollbacks and the ledger across generations ----------------------------------------------------
+
+
+def test_rollback_retracts_newer_versions_and_the_ledger_forgets_them():
+    reg = PolicyRegistry("base", max_staleness=3)
+    led = VersionLedger(capacity=100, timeline=reg.timeline)
+    for v in (1, 2, 3):
+        reg.publish(Policy(v, f"policy-v{v}", f"/a/{v}"))
+        led.record([v], [10], v, 0)
+    led.record([0], [10], 0, 0)
+    target, needs_load = reg.prepare(2, "/a/2")  # loaded, same adapter: it simply becomes current
+    assert target is reg.get(2) and not needs_load
+    assert [p.version for p in reg.make_current(target)] == [3]
+    assert reg.current.version == 2 and reg.generation == 1
+    assert [led.lookup([v, 10]) for v in (0, 1, 2, 3)] == [0, 1, 2, None]
+    # Version 3 again, another adapter: a new LoRA name; the old timeline's version 3 stays unknown forever.
+    new3, needs_load = reg.prepare(3, "/b/3")
+    assert needs_load and new3 == Policy(3, "policy-v3-g1", "/b/3", 1)
+    assert reg.make_current(new3) == [] and reg.generation == 1
+    led.record([3], [11], 3, new3.generation)
+    assert led.lookup([3, 10]) is None and led.lookup([3, 11]) == 3
+    # A different adapter at version 1 abandons 1 itself (and everything above it); the base is never abandoned.
+    new1, needs_load = reg.prepare(1, "/c/1")
+    assert needs_load and new1.model_name == "policy-v1-g2"
+    assert [p.version for p in reg.make_current(new1)] == [1, 2, 3]
+    assert [led.lookup([v, 10]) for v in (0, 1, 2, 3)] == [0, None, None, None]
+    assert led.lookup([3, 11]) is None
+    with pytest.raises(ValueError, match="prepare"):
+        reg.make_current(Policy(2, "policy-v2", "/a/2"))  # not built for this generation
+
+
+def test_in_flight_and_removable_across_generations():
+    reg = PolicyRegistry("policy", max_staleness=5)
+    for v in (1, 2):
+        reg.publish(Policy(v, f"policy-v{v}", f"/a/{v}"))
+    old2 = reg.acquire()
+    reg.make_current(reg.prepare(1, "/a/1")[0])
+    assert reg.removable() == []  # the retracted v2 is still sampling
+    new2, _ = reg.prepare(2, "/b/2")
+    reg.make_current(new2)
+    again = reg.acquire()
+    assert again == new2 and again != old2 and reg.in_flight() == {2: 2}
+    assert [p.model_name for p in reg.held()] == ["policy", "policy-v1", "policy-v2-g1", "policy-v2"]
+    reg.release(old2)
+    assert reg.removable() == [old2] and reg.in_flight() == {2: 1}
+    reg.remove(old2)
+    assert reg.removable() == [] and [p.model_name for p in reg.loaded()] == [
+        "policy",
+        "policy-v1",
+        "policy-v2-g1",
+    ]
+    reg.release(again)
+    reg.make_current(reg.prepare(0, None)[0])  # back to the base model
+    assert reg.current.version == 0 and reg.generation == 2
+    assert [p.model_name for p in reg.removable()] == ["policy-v1", "policy-v2-g1"]
+
+
+def publish_body(version: int, path: str | None, replace_newer: bool = False) -> dict[str, Any]:
+    return {"version": version, "adapter_path": path, "replace_newer": replace_newer}
+
+
+async def test_republish_is_a_noop_and_another_adapter_at_the_same_version_a_409(tmp_path):
+    backend = ScriptedBackend()
+    client, reg = client_for(backend)
+    async with client:
+        a1 = make_adapter(tmp_path, "a1")
+        first = await client.post("/policy/publish", json=publish_body(1, a1))
+        assert first.status_code == 200 and first.json()["noop"] is False
+        # A retry of a publish that landed (the path spelled differently resolves to the same folder).
+        again = await client.post("/policy/publish", json=publish_body(1, f"{tmp_path}/./a1"))
+        assert again.status_code == 200, again.text
+        assert again.json()["noop"] is True and again.json()["lora_name"] == "policy-v1"
+        assert backend.loaded == ["policy-v1"] and reg.generation == 0
+        other = await client.post("/policy/publish", json=publish_body(1, make_adapter(tmp_path, "b1")))
+        assert other.status_code == 409 and "replace_newer" in other.json()["error"]["message"]
+        assert reg.current.adapter_path == str(Path(a1).resolve())
+
+
+async def test_rollback_to_an_older_loaded_version(tmp_path):
+    backend = ScriptedBackend()
+    client, reg = client_for(backend, max_staleness=3)
+    async with client:
+        paths = {v: make_adapter(tmp_path, f"a{v}") for v in (1, 2, 3)}
+        for v in (1, 2, 3):
+            assert (await client.post("/policy/publish", json=publish_body(v, paths[v]))).status_code == 200
+        sampled = await client.post("/generate", json={"prompt": {"prompt_token_ids": [1]}, "max_tokens": 4})
+        assert sampled.headers["x-policy-version"] == "3"
+        r = await client.post("/policy/publish", json=publish_body(2, paths[2], replace_newer=True))
+        assert r.status_code == 200, r.text
+        assert r.json() | {"load_s": 0} == {
+            "version": 2,
+            "lora_name": "policy-v2",
+            "load_s": 0,
+            "unloaded": [3],
+            "noop": False,
+            "retracted": [3],
+        }
+        assert backend.loaded == ["policy-v1", "policy-v2", "policy-v3"] and backend.unloaded == ["policy-v3"]
+        status = (await client.get("/policy")).json()
+        assert status["current_version"] == 2 and status["generation"] == 1
+        assert status["loaded_versions"] == [0, 1, 2]
+        # The same rollback retried: nothing more happens.
+        r = await client.post("/policy/publish", json=publish_body(2, paths[2], replace_newer=True))
+        assert r.json()["noop"] is True and reg.generation == 1
+        # Version 3 again, from another adapter: a fresh LoRA name; what the old v3 sampled stays unknown.
+        r = await client.post("/policy/publish", json=publish_body(3, make_adapter(tmp_path, "b3")))
+        assert r.status_code == 200 and r.json()["lora_name"] == "policy-v3-g1"
+        new = await client.post("/generate", json={"prompt": {"prompt_token_ids": [2]}, "max_tokens": 4})
+        assert new.headers["x-policy-version"] == "3"
+        lookup = await client.post("/policy/lookup", json={"sequences": [[1, 3, 0], [2, 3, 0]]})
+        assert lookup.json() == {"versions": [None, 3]}
+
+
+async def test_rollback_to_a_version_no_longer_loaded_and_to_the_base(tmp_path):
+    backend = ScriptedBackend()
+    client, reg = client_for(backend, max_staleness=0)
+    async with client:
+        a1 = make_adapter(tmp_path, "a1")
+        await client.post("/policy/publish", json=publish_body(1, a1))
+        await client.post("/generate", json={"prompt": {"prompt_token_ids": [1]}, "max_tokens": 4})
+        for v in (2, 3):
+            await client.post("/policy/publish", json=publish_body(v, make_adapter(tmp_path, f"a{v}")))
+        assert backend.unloaded == ["policy-v1", "policy-v2"]
+        r = await client.post("/policy/publish", json=publish_body(1, a1, replace_newer=True))
+        assert r.status_code == 200, r.text
+        assert r.json()["lora_name"] == "policy-v1-g1" and r.json()["retracted"] == [3]
+        assert backend.loaded[-1] == "policy-v1-g1" and reg.current.model_name == "policy-v1-g1"
+        # Version 1 was reloaded, not kept: what it sampled before is not vouched for.
+        lookup = await client.post("/policy/lookup", json={"sequences": [[1, 1, 0]]})
+        assert lookup.json() == {"versions": [None]}
+        r = await client.post("/policy/publish", json=publish_body(0, None, replace_newer=True))
+        assert r.status_code == 200 and r.json()["retracted"] == [1] and r.json()["lora_name"] == "base"
+        sampled = await client.post("/generate", json={"prompt": {"prompt_token_ids": [1]}, "max_tokens": 4})
+        assert sampled.headers["x-policy-version"] == "0"
+        status = (await client.get("/policy")).json()
+        assert status["loaded_versions"] == [0] and status["generation"] == 2
+        assert backend.unloaded[-2:] == ["policy-v3", "policy-v1-g1"]
+
+
+async def test_a_retracted_policy_stays_loaded_until_its_last_request(tmp_path):
+    backend = ScriptedBackend()
+    client, reg = client_for(backend, max_staleness=3)
+    async with client:
+        a1 = make_adapter(tmp_path, "a1")
+        await client.post("/policy/publish", json=publish_body(1, a1))
+        await client.post("/policy/publish", json=publish_body(2, make_adapter(tmp_path, "a2")))
+        backend.gate = asyncio.Event()
+        body = {"prompt": {"prompt_token_ids": [7]}, "max_tokens": 4}
+        in_flight = asyncio.create_task(client.post("/generate", json=body))
+        await asyncio.sleep(0.05)
+        r = await client.post("/policy/publish", json=publish_body(1, a1, replace_newer=True))
+        assert r.json()["retracted"] == [2] and r.json()["unloaded"] == []
+        r = await client.post("/policy/publish", json=publish_body(2, make_adapter(tmp_path, "b2")))
+        assert r.json()["lora_name"] == "policy-v2-g1"
+        backend.gate.set()
+        new = await client.post("/generate", json={"prompt": {"prompt_token_ids": [8]}, "max_tokens": 4})
+        old = await in_flight
+        assert old.status_code == 200 and old.headers["x-policy-version"] == "2"
+        assert new.headers["x-policy-version"] == "2"
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+            if backend.unloaded:
+                break
+        assert backend.unloaded == ["policy-v2"], "the retracted v2 goes once its request is done, not v2-g1"
+        lookup = await client.post("/policy/lookup", json={"sequences": [[7, 2, 0], [8, 2, 0]]})
+        assert lookup.json() == {"versions": [None, 2]}
+        assert reg.in_flight() == {}
+
+
+async def test_policy_status_names_the_instance_and_generation(tmp_path):
+    client, _ = client_for(ScriptedBackend())
+    other, _ = client_for(ScriptedBackend())
+    async with client, other:
+        first = (await client.get("/policy")).json()
+        assert (await client.get("/policy")).json()["instance"] == first["instance"]
+        assert (await other.get("/policy")).json()["instance"] != first["instance"]
+        assert len(first["instance"]) >= 16 and first["generation"] == 0
+        a1 = make_adapter(tmp_path, "a1")
+        await client.post("/policy/publish", json=publish_body(1, a1))
+        await client.post("/policy/publish", json=publish_body(0, None, replace_newer=True))
+        assert (await client.get("/policy")).json()["generation"] == 1
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"version": 0, "adapter_path": None}, "replace_newer"),
+        ({"version": 0}, "replace_newer"),
+        ({"version": 2, "adapter_path": None, "replace_newer": True}, "adapter_path"),
+        ({"version": 2}, "adapter_path"),
+        ({"version": 0, "adapter_path": "/x", "replace_newer": True}, "adapter_path"),
+        ({"version": 1, "adapter_path": "/x", "replace_newer": "yes"}, "replace_newer"),
+        ({"version": -1, "adapter_path": "/x"}, "version"),
+        ({"version": 1, "adapter_path": "/x", "rollback": True}, "rollback"),
+    ],
+)
+async def test_publish_body_rules(body, needle):
+    backend = ScriptedBackend()
+    client, reg = client_for(backend)
+    async with client:
+        r = await client.post("/policy/publish", json=body)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        assert reg.current.version == 0 and backend.loaded == []
+
+
+async def test_a_temporary_failure_carries_retry_after():
+    backend = ScriptedBackend()
+
+    async def down(req: SamplingRequest, policy: Policy) -> list[Sample]:
+        raise BackendError(503, "vLLM is restarting", retry_after=9.2)
+
+    backend.sample = down  # type: ignore[method-assign]
+    client, _ = client_for(backend)
+    async with client:
+        r = await client.post("/generate", json={"prompt": {"prompt_token_ids": [1]}})
+        assert r.status_code == 503 and r.headers["retry-after"] == "10"

@@ -8,6 +8,7 @@ from outside the process."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
@@ -16,6 +17,7 @@ import pytest
 from tests.helpers import assert_learned
 from tests.test_launch import ROOT, assert_nothing_left, launch_cmd, read_metrics
 from trainer.orchestration.chaos import Fault, Injected, LiveRun, inject
+from trainer.training.checkpoints import FAILPOINT_ENV
 from trainer.training.polling import wait_until
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
@@ -78,4 +80,28 @@ def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
     assert all(r["policy/staleness_max"] <= 1 for r in rows)
     mismatch = [r["importance/mismatch_kl"] for r in rows if r["importance/mismatch_kl"] is not None]
     assert max(mismatch) < 0.5, mismatch
+    assert_nothing_left(run_dir)
+
+
+def test_trainer_killed_inside_an_adapter_save_and_before_latest_moves(tmp_path):
+    """The trainer SIGKILLs itself (RL_FAILPOINTS, once each) halfway through writing adapter v1, and between
+    renaming checkpoint step-5 into place and moving `latest`: the restarted trainer sweeps the half-written adapter,
+    sets the orphan checkpoint aside, and the run finishes every step."""
+    run_dir = tmp_path / "run"
+    adapter_marker, ckpt_marker = tmp_path / "adapter-save.fired", tmp_path / "checkpoint-renamed.fired"
+    env = {**os.environ, FAILPOINT_ENV: f"adapter-save:{adapter_marker},checkpoint-renamed:{ckpt_marker}"}
+    cmd = launch_cmd(run_dir, "rollout.num_steps=12", "trainer.checkpoint_every=5")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert adapter_marker.exists() and ckpt_marker.exists(), "both failpoints fired"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert rows[-1]["faults/restarts_trainer"] == 2
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "removed an interrupted write" in trainer_log and ".v000001.tmp-" in trainer_log
+    (aside,) = (run_dir / "checkpoints").glob("discarded-*")
+    assert [p.name for p in aside.iterdir()] == ["step-000005"]  # the orphan: folder without loop state
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-000012"  # the final checkpoint
+    assert not list(run_dir.rglob(".*.tmp-*"))
     assert_nothing_left(run_dir)

@@ -29,7 +29,7 @@ from trainer.backends.collectives import (
     sum_gradients_hook,
 )
 from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
-from trainer.training.checkpoints import fsync_path
+from trainer.training.checkpoints import failpoint, fsync_path
 from trainer.training.config import RunConfig
 from trainer.training.logprobs import compute_token_logprobs
 from trainer.training.losses import (
@@ -307,6 +307,7 @@ class LocalBackend:
         tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
         with _atomic_dir(dest) as tmp:
             save_file(tensors, str(tmp / ADAPTER_FILE))
+            failpoint("adapter-save")
             self.model.peft_config["default"].save_pretrained(str(tmp))
 
     def save_state(self, name: str) -> str:

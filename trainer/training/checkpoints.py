@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,6 +41,20 @@ TEMP = re.compile(r"^\..*\.tmp-\d+$")  # `.NAME.tmp-PID`: a write that was cut o
 class LoopState:
     step: int = 0  # batches consumed
     version: int = 0  # latest published policy version (= optimizer updates made)
+
+
+FAILPOINT_ENV = "RL_FAILPOINTS"
+
+
+def failpoint(name: str) -> None:
+    """For the fault suite: with RL_FAILPOINTS="NAME:MARKER_FILE[,...]" in the environment, the process SIGKILLs
+    itself when it reaches NAME, once (MARKER_FILE records that it fired, so the restarted process goes on). The
+    instants a kill from outside cannot hit: inside an adapter save, between a checkpoint's rename and `latest`."""
+    for spec in os.environ.get(FAILPOINT_ENV, "").split(","):
+        point, _, marker = spec.partition(":")
+        if point == name and marker and not os.path.exists(marker):
+            Path(marker).write_text(f"{name} fired in pid {os.getpid()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def checkpoint_name(step: int) -> str:

@@ -30,6 +30,7 @@ from trainer.training.checkpoints import (
     adapter_dir,
     checkpoint_name,
     disk_free,
+    failpoint,
     folder_bytes,
     full_disk_is_one_error,
     read_latest,
@@ -273,6 +274,7 @@ def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -
     """Backend state, then loop state, then `latest`: until `latest` moves, the previous checkpoint is the one a
     resume loads (a full disk midway leaves it so)."""
     backend.save_state(checkpoint_name(state.step))
+    failpoint("checkpoint-renamed")
     write_loop_state(run_dir, state)
     log.info("checkpoint at step %d (policy version %d)", state.step, state.version)
 

@@ -28,6 +28,11 @@ from inference.policy import Policy, PolicyRegistry
 from inference.replicas import ReplicaSet
 from inference.vllm_backend import VLLMBackend, build_vllm_command, free_port
 
+# Requests still running when SIGTERM comes get this long before uvicorn cancels them (a request waiting for a
+# vLLM restart would otherwise hold the stop for up to request_timeout_s); then vLLM is stopped. Together well
+# inside the launcher's 30 s between SIGTERM and SIGKILL.
+GRACEFUL_SHUTDOWN_S = 5
+
 
 def resolve_model(path: str | None) -> tuple[str, int]:
     """The base model's folder and its vocabulary size (rows of the embedding)."""
@@ -70,8 +75,13 @@ def build_tinker_sampler(cfg: GatewayConfig) -> tuple[SamplingBackend, int]:
 def build_vllm_replicas(
     cfg: GatewayConfig, model_path: str, log_dir: Path, registry: PolicyRegistry
 ) -> SamplingBackend:
-    def adapters() -> list[Policy]:
+    def adapters() -> list[Policy]:  # what a restarted vLLM loads: the live policies, never retracted ones
         return [p for p in registry.loaded() if p.adapter_path]
+
+    def held() -> list[
+        Policy
+    ]:  # what every replica holds: retracted policies stay until no request uses them
+        return [p for p in registry.held() if p.adapter_path]
 
     n = cfg.vllm.replicas
     if n == 1:
@@ -90,7 +100,7 @@ def build_vllm_replicas(
         )
         for i in range(n)
     ]
-    return ReplicaSet(replicas, wanted=adapters)
+    return ReplicaSet(replicas, wanted=held)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -106,7 +116,9 @@ async def serve(args: argparse.Namespace) -> int:
     app = create_app(cfg, backend, registry, vocab_size)
     sock = listening_socket(cfg, args.fd)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    )
 
     async def watch() -> None:
         while not server.should_exit:

@@ -11,6 +11,8 @@ import contextlib
 import hmac
 import json
 import logging
+import math
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
@@ -24,7 +26,7 @@ from pydantic import ValidationError
 from inference.config import GatewayConfig
 from inference.errors import BackendError
 from inference.guard import BodyGuard
-from inference.policy import Policy, PolicyRegistry, VersionLedger, lora_name
+from inference.policy import Policy, PolicyRegistry, VersionLedger
 from inference.wire import (
     LookupRequest,
     LookupResponse,
@@ -112,7 +114,8 @@ class Gateway:
         self.cfg = cfg
         self.backend = backend
         self.registry = registry
-        self.ledger = VersionLedger(cfg.ledger_size)
+        self.ledger = VersionLedger(cfg.ledger_size, registry.timeline)
+        self.instance = secrets.token_hex(8)  # tells a client this gateway from one restarted since
         self.vocab_size = vocab_size
         self.publish_lock = asyncio.Lock()
         self.cleanup_lock = asyncio.Lock()
@@ -157,7 +160,7 @@ class Gateway:
         removed = []
         async with self.cleanup_lock:
             for policy in self.registry.removable():
-                self.registry.remove(policy.version)
+                self.registry.remove(policy)
                 removed.append(policy.version)
                 try:
                     await self.backend.unload_adapter(policy)
@@ -165,25 +168,68 @@ class Gateway:
                     log.warning("unloading %s failed: %s", policy.model_name, exc.message)
         return removed
 
+    def record(self, prompt_ids: list[int], completion_ids: list[int], policy: Policy) -> None:
+        self.ledger.record(prompt_ids, completion_ids, policy.version, policy.generation)
+
     async def publish(self, req: PublishRequest) -> PublishResponse:
-        self.backend.validate_adapter(req.adapter_path)
+        """Make req.version current: a newer version (loaded first), the current one again (a retried publish:
+        nothing happens), or with replace_newer an older one (a rollback: every newer version is retracted)."""
+        path = resolved_path(req.adapter_path)
         async with self.publish_lock:
-            current = self.registry.current.version
-            if req.version <= current:
-                raise BackendError(
-                    409, f"version {req.version} is not newer than the current version {current}"
+            policy, needs_load = self._publish_target(req, path)
+            if policy == self.registry.current:
+                log.info("version %d is current already with %s: nothing to do", req.version, path)
+                return PublishResponse(
+                    version=req.version, lora_name=policy.model_name, load_s=0.0, unloaded=[], noop=True
                 )
-            path = req.adapter_path if "://" in req.adapter_path else str(Path(req.adapter_path).resolve())
-            policy = Policy(req.version, lora_name(req.version), path)
             started = time.perf_counter()
-            await self.backend.load_adapter(policy)
-            self.registry.publish(policy)
+            if needs_load:
+                assert req.adapter_path is not None  # only version 0 has none, and it is never loaded
+                self.backend.validate_adapter(req.adapter_path)
+                await self.backend.load_adapter(policy)
+            retracted = self.registry.make_current(policy)
             load_s = time.perf_counter() - started
         unloaded = await self.unload_stale()
-        log.info("published version %d in %.3fs (unloaded %s)", req.version, load_s, unloaded)
-        return PublishResponse(
-            version=req.version, lora_name=policy.model_name, load_s=load_s, unloaded=unloaded
+        log.info(
+            "published version %d as %s in %.3fs (retracted %s, unloaded %s)",
+            req.version,
+            policy.model_name,
+            load_s,
+            [p.version for p in retracted],
+            unloaded,
         )
+        return PublishResponse(
+            version=req.version,
+            lora_name=policy.model_name,
+            load_s=load_s,
+            unloaded=unloaded,
+            retracted=[p.version for p in retracted],
+        )
+
+    def _publish_target(self, req: PublishRequest, path: str | None) -> tuple[Policy, bool]:
+        """The policy a publish makes current and whether it must be loaded first; 409 for a plain publish that
+        would go back in time or change the current version's adapter."""
+        current = self.registry.current
+        if req.replace_newer or req.version > current.version:
+            return self.registry.prepare(req.version, path)
+        if req.version == current.version and path == current.adapter_path:
+            return current, False
+        raise BackendError(
+            409,
+            f"version {req.version} ({path}) is not newer than the current version {current.version} "
+            f"({current.adapter_path}); a trainer that restarted from a checkpoint publishes its checkpoint's "
+            "version with replace_newer: true",
+        )
+
+
+def resolved_path(path: str | None) -> str | None:
+    """The adapter folder as the registry compares it (absolute, links resolved); URIs as given."""
+    if path is None or "://" in path:
+        return path
+    try:
+        return str(Path(path).resolve())
+    except (OSError, ValueError) as exc:
+        raise BackendError(400, f"adapter_path {path[:200]!r} is not a usable path: {exc}") from exc
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -251,11 +297,17 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(backend.start()) if start_backend else None
+        task = asyncio.create_task(start()) if start_backend else None
         yield
         if task is not None and not task.done():
             task.cancel()
         await backend.stop()
+
+    async def start() -> None:
+        try:
+            await backend.start()
+        except BackendError as exc:  # the backend is "failed" now: __main__ stops the gateway
+            log.error("the sampling backend did not start: %s", exc.message)
 
     app = FastAPI(title="RL policy gateway", lifespan=lifespan)
     app.state.gateway = gw
@@ -269,7 +321,10 @@ def create_app(
 
 
 async def _backend_error(_: Request, exc: BackendError) -> JSONResponse:
-    return error(exc.status, exc.message)
+    response = error(exc.status, exc.message)
+    if exc.retry_after is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return response
 
 
 async def _request_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -297,7 +352,7 @@ def sampling_routes(gw: Gateway) -> APIRouter:
         gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
         samples, policy = await gw.run(lambda p: backend.sample(req, p), request)
         for s in samples:
-            gw.ledger.record(req.prompt_token_ids, s.token_ids, policy.version)
+            gw.record(req.prompt_token_ids, s.token_ids, policy)
         if dialect == "sglang":
             return respond(
                 sglang_generate_response(samples, policy.version, len(req.prompt_token_ids)), policy
@@ -353,7 +408,7 @@ async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse
     for choice in result.get("choices", []):
         prompt_ids = choice.get("prompt_token_ids") or result.get("prompt_token_ids")
         if prompt_ids is not None and choice.get("token_ids") is not None:
-            gw.ledger.record(list(prompt_ids), list(choice["token_ids"]), policy.version)
+            gw.record(list(prompt_ids), list(choice["token_ids"]), policy)
     result["policy_version"] = policy.version
     return respond(result, policy)
 
@@ -384,6 +439,8 @@ def policy_routes(gw: Gateway) -> APIRouter:
     @router.get("/policy")
     async def status(request: Request) -> PolicyStatus:
         state = PolicyStatus(
+            instance=gw.instance,
+            generation=registry.generation,
             current_version=registry.current.version,
             loaded_versions=[p.version for p in registry.loaded()],
             in_flight=registry.in_flight(),

@@ -1,6 +1,12 @@
 """Which policy version serves new requests, which versions are still in use, and which produced a completion.
 
 Pure state (no I/O, no asyncio): the app calls it from one event loop. Version 0 is the base model.
+
+Versions normally only grow. A trainer that restarts from a checkpoint rolls the gateway back to its checkpoint's
+version ("replace_newer"): every newer version is retracted, and the version numbers after it are used again for
+other adapters. Each rollback starts a new *generation*; a policy remembers the generation it was published in,
+and the ledger stores (generation, version) per completion, so a completion sampled on an abandoned timeline is
+never attributed to the version number that now names another adapter.
 """
 
 from __future__ import annotations
@@ -16,60 +22,136 @@ class Policy:
     version: int
     model_name: str  # the name vLLM serves it under: the base model's, or a fresh LoRA name per version
     adapter_path: str | None  # None for the base model
+    generation: int = 0  # the registry's rollback count when it was published
 
 
-def lora_name(version: int) -> str:
-    # A new name per version: reloading one name in place reuses prefix-cache blocks of the old weights.
-    return f"policy-v{version}"
+def lora_name(version: int, generation: int = 0) -> str:
+    # A new name per version: reloading one name in place reuses prefix-cache blocks of the old weights. After a
+    # rollback the same version number names another adapter, so later generations add their own suffix.
+    return f"policy-v{version}" if generation == 0 else f"policy-v{version}-g{generation}"
+
+
+class Timeline:
+    """The rollbacks made so far. Rollback i (which starts generation i + 1) went back to version `targets[i]`:
+    versions above it were abandoned. What a policy of generation g and version v sampled is still attributable
+    to v iff no rollback after g went below v."""
+
+    def __init__(self) -> None:
+        self._floors: list[int] = []  # _floors[g]: the lowest target of the rollbacks made after generation g
+
+    @property
+    def generation(self) -> int:
+        return len(self._floors)
+
+    def rollback(self, target: int) -> None:
+        self._floors = [min(floor, target) for floor in self._floors] + [target]
+
+    def valid(self, generation: int, version: int) -> bool:
+        return generation >= len(self._floors) or version <= self._floors[generation]
 
 
 class PolicyRegistry:
     def __init__(self, base_model_name: str, max_staleness: int):
         self.max_staleness = max_staleness
-        self._policies: dict[int, Policy] = {0: Policy(0, base_model_name, None)}
+        self.timeline = Timeline()
+        self._policies: dict[int, Policy] = {0: Policy(0, base_model_name, None)}  # the live timeline
         self._current = 0
-        self._in_flight: Counter[int] = Counter()
+        self._retracted: list[Policy] = []  # abandoned by a rollback, still loaded in the sampler
+        self._in_flight: Counter[Policy] = Counter()  # by policy: version numbers repeat across generations
 
     @property
     def current(self) -> Policy:
         return self._policies[self._current]
 
+    @property
+    def generation(self) -> int:
+        return self.timeline.generation
+
     def acquire(self) -> Policy:
         """The policy a new request uses; pair with release() when the request is done."""
         policy = self.current
-        self._in_flight[policy.version] += 1
+        self._in_flight[policy] += 1
         return policy
 
     def release(self, policy: Policy) -> None:
-        self._in_flight[policy.version] -= 1
-        if self._in_flight[policy.version] <= 0:
-            del self._in_flight[policy.version]
+        self._in_flight[policy] -= 1
+        if self._in_flight[policy] <= 0:
+            del self._in_flight[policy]
+
+    def prepare(self, version: int, adapter_path: str | None) -> tuple[Policy, bool]:
+        """The policy for make_current() to make `version` (at `adapter_path`) current, and whether the sampler must
+        load it first: the live policy when it already holds that adapter, else a new one under a LoRA name no
+        other policy has had (its generation is the one make_current() will be in)."""
+        live = self._policies.get(version)
+        if live is not None and live.adapter_path == adapter_path:
+            return live, False
+        if version == 0:
+            raise ValueError("version 0 is the base model and takes no adapter")
+        generation = self.generation + (1 if version <= self._current else 0)  # a rollback comes with it
+        return Policy(version, lora_name(version, generation), adapter_path, generation), True
+
+    def make_current(self, policy: Policy) -> list[Policy]:
+        """Make `policy` (from prepare()) current. Every live version above it, and a different policy at its
+        version, is retracted (a rollback: a new generation starts); returns what was retracted."""
+        kept = self._policies.get(policy.version) == policy
+        if policy.version == 0 and not kept:
+            raise ValueError("version 0 is the base model and cannot be replaced")
+        retracted = [
+            p
+            for v, p in sorted(self._policies.items())
+            if v > policy.version or (v == policy.version and not kept)
+        ]
+        generation = self.generation + (1 if retracted else 0)
+        if not kept and policy.generation != generation:
+            raise ValueError(
+                f"policy {policy.model_name} is of generation {policy.generation}, the registry will be at "
+                f"{generation}: build it with prepare()"
+            )
+        if retracted:
+            self.timeline.rollback(policy.version if kept else policy.version - 1)
+            for p in retracted:
+                del self._policies[p.version]
+            self._retracted += [p for p in retracted if p.adapter_path is not None]
+        self._policies[policy.version] = policy
+        self._current = policy.version
+        return retracted
 
     def publish(self, policy: Policy) -> None:
+        """A version newer than the current one becomes current (nothing is retracted)."""
         if policy.version <= self._current:
             raise ValueError(
                 f"version {policy.version} is not newer than the current version {self._current}"
             )
-        self._policies[policy.version] = policy
-        self._current = policy.version
+        self.make_current(policy)
 
     def removable(self) -> list[Policy]:
-        """Loaded adapters outside the staleness window that no request is using."""
+        """Loaded adapters no request is using that can go: those outside the staleness window, and those a
+        rollback retracted."""
         oldest_kept = self._current - self.max_staleness
-        return [
-            p for v, p in sorted(self._policies.items()) if 0 < v < oldest_kept and self._in_flight[v] == 0
-        ]
+        stale = [p for v, p in sorted(self._policies.items()) if 0 < v < oldest_kept]
+        return [p for p in stale + self._retracted if not self._in_flight[p]]
 
-    def remove(self, version: int) -> None:
-        if version in (0, self._current):
-            raise ValueError(f"version {version} cannot be removed (base or current)")
-        self._policies.pop(version, None)
+    def remove(self, policy: Policy) -> None:
+        if policy.version == 0 or policy == self.current:
+            raise ValueError(f"{policy.model_name} cannot be removed (base or current)")
+        if self._policies.get(policy.version) == policy:
+            del self._policies[policy.version]
+        elif policy in self._retracted:
+            self._retracted.remove(policy)
 
     def loaded(self) -> list[Policy]:
+        """The live policies, oldest first: what the sampler must hold again after a restart."""
         return [self._policies[v] for v in sorted(self._policies)]
 
+    def held(self) -> list[Policy]:
+        """Everything the sampler holds: the live policies and the retracted ones not unloaded yet."""
+        return self.loaded() + list(self._retracted)
+
     def in_flight(self) -> dict[int, int]:
-        return dict(self._in_flight)
+        counts: Counter[int] = Counter()
+        for policy, n in self._in_flight.items():
+            counts[policy.version] += n
+        return dict(counts)
 
     def get(self, version: int) -> Policy | None:
         return self._policies.get(version)
@@ -80,21 +162,28 @@ def sequence_key(token_ids: list[int]) -> bytes:
 
 
 class VersionLedger:
-    """Bounded map from (prompt + completion token ids) to the policy version that sampled the completion."""
+    """Bounded map from (prompt + completion token ids) to the policy version that sampled the completion. With a
+    timeline, an entry whose policy a rollback abandoned looks up as unknown (None)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, timeline: Timeline | None = None):
         self.capacity = capacity
-        self._entries: OrderedDict[bytes, int] = OrderedDict()
+        self.timeline = timeline or Timeline()
+        self._entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (generation, version)
 
-    def record(self, prompt_ids: list[int], completion_ids: list[int], version: int) -> None:
+    def record(
+        self, prompt_ids: list[int], completion_ids: list[int], version: int, generation: int = 0
+    ) -> None:
         key = sequence_key(prompt_ids + completion_ids)
-        self._entries[key] = version
+        self._entries[key] = (generation, version)
         self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
     def lookup(self, token_ids: list[int]) -> int | None:
-        return self._entries.get(sequence_key(token_ids))
+        entry = self._entries.get(sequence_key(token_ids))
+        if entry is None or not self.timeline.valid(*entry):
+            return None
+        return entry[1]
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -1,6 +1,7 @@
 """The local sampling backend: one supervised vLLM OpenAI server with runtime LoRA loading.
 
-Owns the vLLM process (start, real-completion readiness, crash restart with adapters restored) and translates
+Owns the vLLM process (start, real-completion readiness, restart with adapters restored when it exits or stops
+answering /health; requests it cut off are sent again after the restart) and translates
 dialect-free sampling requests into vLLM's /v1/completions. Knows nothing of policy versions beyond the
 model names it is told to use.
 """
@@ -103,7 +104,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-KILL_GRACE_S = 12.0  # SIGTERM to SIGKILL for vLLM's process group
+KILL_GRACE_S = 12.0  # SIGTERM to SIGKILL for vLLM's process group once it has served
+# A vLLM that never became ready (still loading) or that died has nothing to finish: SIGKILL it sooner. The
+# launcher gives the gateway 30 s after SIGTERM; a stop during start-up must end well inside that.
+SHORT_KILL_GRACE_S = 3.0
+SIGKILL_REAP_S = 2.0  # after SIGKILL, how long to wait for the group's members to be gone
+SUPERVISE_TICK_S = 0.25  # how often the supervisor looks at vLLM's process
+# vLLM's API server can outlive its engine (it answers /health 503 until it shuts itself down) or hang: probe it.
+# Generous on purpose: a vLLM busy with a large batch on a starved CPU must not be declared dead.
+HEALTH_INTERVAL_S = 2.0
+HEALTH_TIMEOUT_S = 5.0
+HEALTH_MISSES = 2  # consecutive failed probes that count as death
+DEATH_POLL_S = 0.5  # a request cut off by a failing vLLM checks this often whether it died
+RETRY_AFTER_S = 10.0  # what a client that got a 503 because vLLM is down is told to wait
 PORT_ATTEMPTS = 3  # vLLM starts on a fresh port when the one chosen was taken before it bound it
 
 
@@ -164,6 +177,11 @@ class VLLMBackend:
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
         self._supervisor: asyncio.Task[None] | None = None
+        self._health_watch: asyncio.Task[None] | None = None
+        # Counts vLLM processes started: tells a request whether the process it was sent to is gone.
+        self._incarnation = 0
+        self._served = False  # the current process became ready (a stop lets it finish its work)
+        self._unresponsive = -1  # the incarnation the health watch declared dead
 
     @property
     def ready(self) -> bool:
@@ -182,6 +200,8 @@ class VLLMBackend:
             self._log_offset = logf.tell()
             logf.write(f"\n=== starting vLLM: {' '.join(argv)}\n".encode())
             self.loaded = set()
+            self._incarnation += 1
+            self._served = False
             self.proc = subprocess.Popen(
                 argv,
                 env={**os.environ, **extra_env, **self.extra_env},
@@ -251,21 +271,35 @@ class VLLMBackend:
             self.state = "failed"
             await self._kill()
             raise
+        self._became_ready()
+        self._supervisor = asyncio.create_task(self._supervise())
+        self._health_watch = asyncio.create_task(self._watch_health())
+
+    def _became_ready(self) -> None:
+        self._served = True
         self.state = "ready"
         self._ready.set()
-        self._supervisor = asyncio.create_task(self._supervise())
+
+    def _death(self) -> str | None:
+        """Why the current vLLM process counts as dead, or None while it is alive."""
+        if self.proc is None or self.proc.poll() is not None:
+            return f"exited with code {self.proc.returncode if self.proc else None}"
+        if self._unresponsive == self._incarnation:
+            return f"failed {HEALTH_MISSES} /health probes in a row"
+        return None
 
     async def _supervise(self) -> None:
         while self.state in ("ready", "restarting"):
-            await asyncio.sleep(0.25)
-            if self.proc is not None and self.proc.poll() is None:
+            await asyncio.sleep(SUPERVISE_TICK_S)
+            reason = self._death()
+            if reason is None:
                 continue
-            code = self.proc.returncode if self.proc else None
-            log.error("vLLM died (exit code %s); restarting", code)
-            # Its engine and worker processes outlive a SIGKILLed API server: reap the whole group.
-            await self._kill()
+            # Unhealthy at once (the gateway's /health turns 503 and new requests wait), then reap: its engine and
+            # worker processes outlive a SIGKILLed API server.
             self._ready.clear()
             self.state = "restarting"
+            log.error("vLLM (pid %s) %s; restarting", self.pid, reason)
+            await self._kill(SHORT_KILL_GRACE_S)  # dead or hung: nothing worth waiting for
             if self.restarts >= self.cfg.vllm.max_restarts:
                 self.state = "failed"
                 log.error("vLLM restarted %d times already; giving up", self.restarts)
@@ -280,80 +314,170 @@ class VLLMBackend:
                 log.error("restart failed: %s", exc.message)
                 await self._kill()
                 continue  # the loop sees a dead process and tries again
-            self.state = "ready"
-            self._ready.set()
+            self._became_ready()
             log.info("vLLM back after restart %d", self.restarts)
 
-    async def _kill(self) -> None:
+    async def _watch_health(self) -> None:
+        """Probe vLLM's own /health while it is ready; HEALTH_MISSES failures in a row mark it dead for the
+        supervisor (an engine that died under a live API server, or a hung server)."""
+        misses = 0
+        while self.state in ("ready", "restarting"):
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            incarnation = self._incarnation
+            if self.state != "ready":
+                misses = 0
+                continue
+            healthy = await self._answers_health(HEALTH_TIMEOUT_S)
+            if incarnation != self._incarnation or self.state != "ready":
+                misses = 0  # the probe went to a process the supervisor has replaced meanwhile
+                continue
+            misses = 0 if healthy else misses + 1
+            if misses:
+                log.warning("vLLM /health probe %d of %d failed", misses, HEALTH_MISSES)
+            if misses >= HEALTH_MISSES:
+                self._unresponsive = incarnation
+                misses = 0
+
+    async def _answers_health(self, timeout_s: float) -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return (await self._client.get("/health", timeout=timeout_s)).status_code == 200
+        return False
+
+    async def _kill(self, grace_s: float | None = None) -> None:
         """Stop vLLM and every process it started (its own session/process group, named by its PID): SIGTERM,
-        up to KILL_GRACE_S for the group to go, then SIGKILL. Well inside the launcher's 30 s stop limit."""
+        up to `grace_s` for the group to go, then SIGKILL. The grace is KILL_GRACE_S for a vLLM that has served
+        (it may be finishing work), SHORT_KILL_GRACE_S for one that is starting or dead; either is well inside the
+        launcher's 30 s stop limit."""
         proc = self.proc
         if proc is None:
             return
+        if grace_s is None:
+            grace_s = KILL_GRACE_S if self._served and proc.poll() is None else SHORT_KILL_GRACE_S
+        self._served = False
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
 
         async def gone() -> bool:  # the leader reaped (a zombie still counts as alive) and no member left
             return proc.poll() is not None and not _group_alive(proc.pid)
 
-        if not await poll_until(gone, KILL_GRACE_S, 0.1):
-            log.warning("vLLM (group %d) still running %.0fs after SIGTERM; SIGKILL", proc.pid, KILL_GRACE_S)
+        if not await poll_until(gone, grace_s, 0.1):
+            log.warning("vLLM (group %d) still running %.0fs after SIGTERM; SIGKILL", proc.pid, grace_s)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            await poll_until(gone, SIGKILL_REAP_S, 0.05)  # its engine processes, killed but not reaped yet
         await asyncio.to_thread(proc.wait)
 
     async def stop(self) -> None:
         self.state = "stopped"
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
+        self._ready.clear()
+        for task in (self._supervisor, self._health_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self._kill()
         await self._client.aclose()
 
     # --- requests -------------------------------------------------------------------------------------------
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST to vLLM; a request cut by a crash waits for the restart and is sent once more."""
-        for attempt in range(2):
-            if not self._ready.is_set():
-                if not self.wait_on_crash:
-                    raise BackendError(503, f"vLLM at {self.url} is {self.state}")
-                await self._wait_ready()
+        """POST to vLLM within cfg.request_timeout_s. A request cut off by vLLM's death (a transport error, or a
+        5xx from a vLLM that is going down) waits for the restart and is sent again; a 5xx from a vLLM that
+        stays healthy is retried once, then answered 502; 4xx are never retried."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.request_timeout_s
+        retried_alive = False
+        while True:
+            incarnation = await self._wait_ready(deadline)
             try:
-                r = await self._client.post(path, json=body)
+                r = await self._client.post(path, json=body, timeout=max(0.1, deadline - loop.time()))
             except httpx.TransportError as exc:
-                if attempt == 0 and self.state in ("ready", "restarting") and self.wait_on_crash:
-                    await asyncio.sleep(0.5)  # let the supervisor notice the dead process
-                    continue
-                raise BackendError(503, f"vLLM unreachable: {exc!r}") from exc
-            return self._check(r)
-        raise AssertionError("unreachable")
+                failure = BackendError(503, f"vLLM unreachable: {exc!r}")
+            else:
+                if r.status_code < 500:
+                    return self._check(r)
+                failure = self._http_error(r)
+            if not self.wait_on_crash:  # a replica set fails over to another replica on a 503
+                raise BackendError(503, failure.message) if self._flagged(incarnation) else failure
+            if loop.time() >= deadline:
+                raise self._out_of_time(failure)
+            if await self._died(incarnation, deadline):
+                log.warning("a request to %s was cut off by vLLM's death; sending it again", path)
+                continue
+            if retried_alive:
+                raise failure
+            retried_alive = True
 
-    async def _wait_ready(self) -> None:
+    def _flagged(self, incarnation: int) -> bool:
+        """The supervisor has declared the vLLM process `incarnation` dead (it is restarting, or restarted)."""
+        return incarnation != self._incarnation or not self._ready.is_set()
+
+    async def _died(self, incarnation: int, deadline: float) -> bool:
+        """After a failed request: True once the supervisor has declared the vLLM it went to dead, False if that
+        vLLM answers its /health (alive: the failure was the request's own)."""
+        loop = asyncio.get_running_loop()
+        while not self._flagged(incarnation):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise self._out_of_time(None)
+            if await self._answers_health(min(HEALTH_TIMEOUT_S, remaining)) and not self._flagged(
+                incarnation
+            ):
+                return False
+            await asyncio.sleep(min(DEATH_POLL_S, max(0.0, deadline - loop.time())))
+        return True
+
+    async def _wait_ready(self, deadline: float) -> int:
+        """Wait (until `deadline`) for vLLM to be ready; returns the incarnation that is."""
+        if self._ready.is_set():
+            return self._incarnation
+        if not self.wait_on_crash:
+            raise BackendError(503, f"vLLM at {self.url} is {self.state}", retry_after=RETRY_AFTER_S)
+
+        async def ready() -> bool:
+            if self.state in ("failed", "stopped"):
+                raise BackendError(503, f"vLLM is {self.state}; read {self.log_path}")
+            return self._ready.is_set()
+
+        if not await poll_until(ready, max(0.0, deadline - asyncio.get_running_loop().time()), 0.1):
+            raise self._out_of_time(None)
+        return self._incarnation
+
+    def _out_of_time(self, failure: BackendError | None) -> BackendError:
         if self.state in ("failed", "stopped"):
-            raise BackendError(503, f"vLLM is {self.state}; read {self.log_path}")
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout=self.cfg.vllm.startup_timeout_s)
-        except TimeoutError as exc:
-            raise BackendError(503, "vLLM did not come back in time") from exc
+            return BackendError(503, f"vLLM is {self.state}; read {self.log_path}")
+        cause = f" (last failure: {failure.message})" if failure is not None else ""
+        return BackendError(
+            503,
+            f"vLLM is {self.state} and did not serve the request within request_timeout_s="
+            f"{self.cfg.request_timeout_s:g}s{cause}; retry later",
+            retry_after=RETRY_AFTER_S,
+        )
 
     @staticmethod
-    def _check(r: httpx.Response) -> dict[str, Any]:
-        if r.status_code == 200:
-            try:
-                return dict(r.json())
-            except ValueError:  # the adapter routes answer plain text
-                return {"text": r.text}
+    def _detail(r: httpx.Response) -> str:
         try:
-            detail = r.json().get("error", {}).get("message") or r.text
-        except ValueError:
-            detail = r.text
+            return str(r.json().get("error", {}).get("message") or r.text)
+        except (ValueError, AttributeError):
+            return r.text
+
+    @classmethod
+    def _http_error(cls, r: httpx.Response) -> BackendError:
+        detail = cls._detail(r)
         if r.status_code == 404:
-            raise BackendError(503, f"the policy's adapter is not loaded in vLLM: {detail}")
+            return BackendError(503, f"the policy's adapter is not loaded in vLLM: {detail}")
         if 400 <= r.status_code < 500:
-            raise BackendError(400, f"vLLM rejected the request: {detail}")
-        raise BackendError(502, f"vLLM failed ({r.status_code}): {detail}")
+            return BackendError(400, f"vLLM rejected the request: {detail}")
+        return BackendError(502, f"vLLM failed ({r.status_code}): {detail}")
+
+    @classmethod
+    def _check(cls, r: httpx.Response) -> dict[str, Any]:
+        if r.status_code != 200:
+            raise cls._http_error(r)
+        try:
+            return dict(r.json())
+        except ValueError:  # the adapter routes answer plain text
+            return {"text": r.text}
 
     async def sample(self, req: SamplingRequest, policy: Policy) -> list[Sample]:
         body = {

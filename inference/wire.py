@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 # Every integer that reaches vLLM or an array is bounded here; every float is finite.
 MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; the gateway also checks against the served vocab
@@ -183,12 +183,37 @@ def sglang_generate_response(
 class PublishRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: StrictInt = Field(ge=1, le=2**62, description="policy version; must exceed the current one")
-    adapter_path: str = Field(
+    version: StrictInt = Field(
+        ge=0,
+        le=2**62,
+        description="policy version; must exceed the current one unless replace_newer (0 = the base model)",
+    )
+    adapter_path: str | None = Field(
+        None,
         min_length=1,
         max_length=4096,
-        description="folder with adapter_config.json + adapter_model.safetensors",
+        description="folder with adapter_config.json + adapter_model.safetensors; null only for version 0",
     )
+    replace_newer: StrictBool = Field(
+        False,
+        description="the trainer restarted from a checkpoint: this version becomes current and every version "
+        "above it is retracted (what they sampled is never attributed to a version again)",
+    )
+
+    @model_validator(mode="after")
+    def _base_or_adapter(self) -> PublishRequest:
+        if self.version == 0 and self.adapter_path is not None:
+            raise ValueError("adapter_path: version 0 is the base model and takes no adapter; send null")
+        if self.version == 0 and not self.replace_newer:
+            raise ValueError(
+                "replace_newer: version 0 (the base model) only becomes current again by a rollback; "
+                "send replace_newer: true"
+            )
+        if self.version > 0 and self.adapter_path is None:
+            raise ValueError(
+                f"adapter_path: version {self.version} needs an adapter folder (null is for version 0 only)"
+            )
+        return self
 
 
 class PublishResponse(BaseModel):
@@ -196,6 +221,8 @@ class PublishResponse(BaseModel):
     lora_name: str
     load_s: float
     unloaded: list[int]
+    noop: bool = False  # the version was current already, with this adapter: nothing changed
+    retracted: list[int] = Field(default_factory=list)  # versions a replace_newer publish abandoned
 
 
 class LookupRequest(BaseModel):
@@ -211,6 +238,8 @@ class LookupResponse(BaseModel):
 
 
 class PolicyStatus(BaseModel):
+    instance: str  # chosen when the gateway process starts: another value means the gateway was restarted
+    generation: int  # rollbacks (replace_newer publishes that retracted versions) since it started
     current_version: int
     loaded_versions: list[int]
     in_flight: dict[int, int]

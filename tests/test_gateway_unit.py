@@ -460,9 +460,14 @@ async def test_republish_is_a_noop_and_another_adapter_at_the_same_version_a_409
         assert again.status_code == 200, again.text
         assert again.json()["noop"] is True and again.json()["lora_name"] == "policy-v1"
         assert backend.loaded == ["policy-v1"] and reg.generation == 0
-        other = await client.post("/policy/publish", json=publish_body(1, make_adapter(tmp_path, "b1")))
+        b1 = make_adapter(tmp_path, "b1")
+        other = await client.post("/policy/publish", json=publish_body(1, b1))
         assert other.status_code == 409 and "replace_newer" in other.json()["error"]["message"]
         assert reg.current.adapter_path == str(Path(a1).resolve())
+        # With replace_newer, another adapter at the current version replaces it under a name of its own.
+        replaced = await client.post("/policy/publish", json=publish_body(1, b1, replace_newer=True))
+        assert replaced.json()["lora_name"] == "policy-v1-g1" and replaced.json()["retracted"] == [1]
+        assert backend.loaded == ["policy-v1", "policy-v1-g1"] and backend.unloaded == ["policy-v1"]
 
 
 async def test_rollback_to_an_older_loaded_version(tmp_path):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.helpers import assert_learned
+from tests.helpers import assert_learned, group_alive
 from tests.test_launch import ROOT, assert_nothing_left, launch_cmd, read_metrics
 from trainer.orchestration.chaos import Fault, Injected, LiveRun, inject
 from trainer.training.checkpoints import FAILPOINT_ENV
@@ -49,6 +49,7 @@ def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     run = LiveRun(run_dir)
     injected: list[Injected] = []
+    orphans: list[int | None] = []
     try:
         since = 0.0
         for fault in SCHEDULE:
@@ -59,6 +60,8 @@ def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
 
             wait_until(progressed, 600, f"two steps before {fault.name}", 0.5)
             since = time.time()
+            if fault.target == "gateway":
+                orphans.append(run.vllm_pid())  # the vLLM of the gateway about to die must not outlive it
             injected.append(inject(run, fault))
             assert injected[-1].pid is not None, f"{fault.name}: no process to break"
         rc = proc.wait(timeout=900)
@@ -69,18 +72,20 @@ def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
     assert rc == 0, out[-4000:]
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "every step, once, in order"
-    assert_learned([r["reward/mean"] for r in rows])
+    # A step whose every rollout was dropped (e.g. sampled by the base model of a restarted gateway) has no reward.
+    assert_learned([r["reward/mean"] for r in rows if r["reward/mean"] is not None])
     last = rows[-1]
     assert last["faults/restarts_trainer"] == 1 and last["faults/restarts_run_api"] == 1
     assert last["faults/restarts_gateway"] == 1 and last["faults/restarts_env"] >= 1
     assert last["faults/restarts_vllm"] >= 2  # the API server and the engine core
-    assert out.count("restarting it") >= 5 and "the gateway restarted vLLM" in out
+    assert out.count("restarting it") == 4 and out.count("the gateway restarted vLLM") >= 2
     # Nothing trained outside the staleness window, and nothing trained under a version that did not sample it:
     # the sampler's logprobs stay close to the trainer's (a wrong attribution shows up as a mismatch spike).
     assert all(r["policy/staleness_max"] <= 1 for r in rows)
     mismatch = [r["importance/mismatch_kl"] for r in rows if r["importance/mismatch_kl"] is not None]
     assert max(mismatch) < 0.5, mismatch
     assert_nothing_left(run_dir)
+    assert orphans and all(pid is not None and not group_alive(pid) for pid in orphans), orphans
 
 
 def test_trainer_killed_inside_an_adapter_save_and_before_latest_moves(tmp_path):

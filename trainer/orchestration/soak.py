@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.orchestration.chaos import FAULTS, Injected, LiveRun, inject
+from trainer.orchestration.chaos import FAULTS, Fault, Injected, LiveRun, inject
 from trainer.orchestration.commands import ROOT
 
 
@@ -36,6 +36,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--faults", default=",".join(f.name for f in FAULTS), help="comma-separated fault names")
     p.add_argument("--warmup-steps", type=int, default=5, help="clean steps before the first fault")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault sequence")
+    p.add_argument(
+        "--recover-s",
+        type=float,
+        default=300.0,
+        help="after the fault phase, how long the last faults may take",
+    )
     p.add_argument("--out", help="run folder (default: a new folder under runs/)")
     p.add_argument("overrides", nargs="*", help="run config overrides for launch.sh")
     return p.parse_args(argv)
@@ -107,13 +113,23 @@ def main(argv: list[str] | None = None) -> int:
         phase_start, phase_steps = time.monotonic(), watch.last
         deadline = phase_start + args.minutes * 60
         next_fault = phase_start + args.fault_every
+        stalls: list[threading.Thread] = []
         while time.monotonic() < deadline and launcher.poll() is None:
             if time.monotonic() >= next_fault:
-                injected.append(inject(run, rng.choice(faults)))
-                print(f"soak: {injected[-1]}", file=sys.stderr, flush=True)
+                # In a thread: a 40 s stall must not hold back the next fault's schedule.
+                fault = rng.choice(faults)
+                stalls.append(threading.Thread(target=deliver, args=(run, fault, injected)))
+                stalls[-1].start()
                 next_fault += args.fault_every
             time.sleep(0.5)
         phase_wall = time.monotonic() - phase_start
+        for thread in stalls:
+            thread.join()
+        recovered_by = time.monotonic() + args.recover_s  # the last faults get time to heal before the stop
+        while (
+            launcher.poll() is None and time.monotonic() < recovered_by and not all_recovered(injected, watch)
+        ):
+            time.sleep(1)
         alive = launcher.poll() is None
     finally:
         if launcher.poll() is None:
@@ -128,6 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(json.dumps(result, indent=2))
     return 0 if alive and result["faults_survived"] == result["faults_injected"] else 1
+
+
+def deliver(run: LiveRun, fault: Fault, into: list[Injected]) -> None:
+    print(f"soak: {fault.name} at step {run.last_step()}", file=sys.stderr, flush=True)
+    into.append(inject(run, fault))
+
+
+def all_recovered(injected: list[Injected], watch: StepWatch) -> bool:
+    return all(any(t > i.at for t in watch.new_rows_at) for i in injected if i.pid is not None)
 
 
 def report(

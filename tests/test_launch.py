@@ -151,8 +151,8 @@ def test_sigterm_stops_everything_and_resume_continues(tmp_path):
     assert proc.returncode != 0
     assert_nothing_left(run_dir)
     ckpt_step = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
-    assert ckpt_step >= 4
     before = read_metrics(run_dir)
+    assert ckpt_step == len(before) >= 6, "SIGTERM: the trainer finishes its step and writes a final checkpoint"
 
     rc, out, _ = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 600)
     assert rc == 0, out[-3000:]
@@ -162,6 +162,8 @@ def test_sigterm_stops_everything_and_resume_continues(tmp_path):
     resumed = rows[ckpt_step]
     assert resumed["policy_version"] >= before[ckpt_step - 1]["policy_version"]
     assert_nothing_left(run_dir)
+    rc, out, elapsed = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 120)
+    assert rc == 0 and "already finished" in out and elapsed < 30, out[-2000:]
 
 
 def test_gsm8k_dry_run_prints_the_reference_run():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,42 @@ def test_environments_resume_their_data_position(tmp_path):
     fresh = env(5, 0)
     ResumableData.load_checkpoint(fresh)  # type: ignore[arg-type]
     assert fresh.next_index == 0
+
+
+def resumable_run(tmp_path: Path, old_dir: str, step: int, num_steps: int) -> Path:
+    import yaml
+
+    cfg = load_config(
+        RunConfig,
+        ROOT / "configs" / "tiny_cpu.yaml",
+        [f"trainer.output_dir={old_dir}", f"rollout.num_steps={num_steps}"],
+    )
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    (tmp_path / "checkpoints" / f"step-{step:06d}").mkdir(parents=True)
+    (tmp_path / "checkpoints" / f"step-{step:06d}.loop.json").write_text(
+        json.dumps({"step": step, "version": 9})
+    )
+    (tmp_path / "checkpoints" / "latest").write_text(f"step-{step:06d}")
+    return tmp_path
+
+
+def test_resume_uses_the_folder_wherever_it_now_lives(tmp_path):
+    from argparse import Namespace
+
+    from trainer.orchestration.launcher import resolve_run
+
+    run = resumable_run(tmp_path, "/somewhere/it/used/to/be", 10, 30)
+    cfg, run_dir = resolve_run(Namespace(resume=str(run), overrides=[]))
+    assert run_dir == run.resolve() and cfg.trainer.output_dir == str(run.resolve())
+
+
+def test_resuming_a_finished_run_starts_nothing_and_exits_0(tmp_path, capsys):
+    from trainer.orchestration.launcher import main
+
+    run = resumable_run(tmp_path, str(tmp_path), 30, 30)
+    started = time.monotonic()
+    assert main(["--resume", str(run)]) == 0
+    assert time.monotonic() - started < 5  # no pre-flight, no process
+    out = capsys.readouterr().out
+    assert "already finished" in out and "step 30 of 30" in out
+    assert not (run / "logs").exists() and not (run / "pids.json").exists()

@@ -152,7 +152,9 @@ def test_sigterm_stops_everything_and_resume_continues(tmp_path):
     assert_nothing_left(run_dir)
     ckpt_step = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
     before = read_metrics(run_dir)
-    assert ckpt_step == len(before) >= 6, "SIGTERM: the trainer finishes its step and writes a final checkpoint"
+    assert ckpt_step == len(before) >= 6, (
+        "SIGTERM: the trainer finishes its step and writes a final checkpoint"
+    )
 
     rc, out, _ = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 600)
     assert rc == 0, out[-3000:]

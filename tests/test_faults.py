@@ -79,6 +79,7 @@ def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
     assert last["faults/restarts_gateway"] == 1 and last["faults/restarts_env"] >= 1
     assert last["faults/restarts_vllm"] >= 2  # the API server and the engine core
     assert out.count("restarting it") == 4 and out.count("the gateway restarted vLLM") >= 2
+    assert "gave the restarted gateway version" in out
     # Nothing trained outside the staleness window, and nothing trained under a version that did not sample it:
     # the sampler's logprobs stay close to the trainer's (a wrong attribution shows up as a mismatch spike).
     assert all(r["policy/staleness_max"] <= 1 for r in rows)

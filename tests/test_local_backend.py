@@ -179,6 +179,14 @@ def test_resume_with_other_lora_config_is_refused(tmp_path, fixture_examples):
         other.load_state(ckpt)
 
 
+def test_resume_accepts_the_same_model_folder_through_a_symlink(tmp_path, tiny_model_path):
+    """A cache reached through a symlink (or moved behind one) is the same model: resume must not refuse it."""
+    link = tmp_path / "models-link"
+    link.symlink_to(tiny_model_path, target_is_directory=True)
+    ckpt = LocalBackend(make_cfg(tmp_path / "a", model__path=str(link))).save_state("s0")
+    LocalBackend(make_cfg(tmp_path / "b", model__path=str(Path(tiny_model_path).resolve()))).load_state(ckpt)
+
+
 def test_micro_batching_equals_one_big_batch(tmp_path, fixture_examples):
     grads = []
     for budget in (64, 4096):

@@ -341,9 +341,20 @@ class LocalBackend:
             raise FileNotFoundError(f"{src} is not a checkpoint written by save_state (no trainer_state.pt)")
         saved_cfg = json.loads((src / "run_config.json").read_text())
         for section in ("model", "lora"):
-            if saved_cfg[section] != json.loads(getattr(self.cfg, section).model_dump_json()):
+            saved, now = saved_cfg[section], json.loads(getattr(self.cfg, section).model_dump_json())
+            if (
+                section == "model"
+            ):  # the same folder reached through a symlink (a moved cache) is the same model
+                saved, now = ({**c, "path": _same_folder(c["path"])} for c in (saved, now))
+            if saved != now:
+                diff = {
+                    k: (saved.get(k), now.get(k))
+                    for k in saved.keys() | now.keys()
+                    if saved.get(k) != now.get(k)
+                }
                 raise ValueError(
-                    f"checkpoint {src} was made with a different '{section}' config; resume with the same"
+                    f"checkpoint {src} was made with a different '{section}' config ({diff}, saved vs now); "
+                    "resume with the same"
                 )
         weights = load_file(str(src / ADAPTER_FILE), device=str(self.device))
         unexpected = getattr(set_peft_model_state_dict(self.model, weights), "unexpected_keys", None) or []
@@ -354,6 +365,10 @@ class LocalBackend:
         self.optimizer.load_state_dict(state["optimizer"])
         self._step = int(state["step"])
         _set_rng_state(state["rng"])
+
+
+def _same_folder(path: str) -> str:
+    return os.path.realpath(path) if os.path.isdir(path) else path
 
 
 class _atomic_dir:

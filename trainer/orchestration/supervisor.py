@@ -23,7 +23,7 @@ import httpx
 
 from trainer.orchestration.commands import PY
 from trainer.orchestration.processes import Component, stop_all
-from trainer.training.checkpoints import write_atomic
+from trainer.training.checkpoints import VERSION_DIR, write_atomic
 from trainer.training.config import RunConfig
 from trainer.training.faults import EXIT_NEEDS_OPERATOR, FAULT_KEYS, FAULTS_FILE
 from trainer.training.polling import wait_until
@@ -181,6 +181,28 @@ class Supervisor:
             elif comp is self.gateway:
                 wait_http(f"{self.cfg.launch.gateway_url}/health", comp, timeout, "healthy")
                 self.vllm_restarts = 0  # a new gateway counts its vLLM restarts from zero
+                self.republish_newest()
+
+    def republish_newest(self) -> None:
+        """A restarted gateway serves the base model until told otherwise: hand it the newest adapter at once, so
+        the environments do not sample (and the trainer then drop) a batch from the base model. The trainer's own
+        check at its next step corrects this if the newest folder was not yet published; its retried publish of
+        that folder is then a no-op."""
+        versions = [
+            (int(m.group(1)), p)
+            for p in (self.run_dir / "adapters").glob("v*")
+            if (m := VERSION_DIR.match(p.name)) and p.is_dir()
+        ]
+        if not versions:
+            return
+        version, path = max(versions)
+        body = {"version": version, "adapter_path": str(path), "replace_newer": True}
+        with contextlib.suppress(httpx.HTTPError):
+            url = f"{self.cfg.launch.gateway_url}/policy/publish"
+            reply = httpx.post(url, json=body, headers=self.auth, timeout=120)
+            print(
+                f"launch.sh: gave the restarted gateway version {version} ({reply.status_code})", flush=True
+            )
 
     # --- observing ------------------------------------------------------------------------------------------
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import yaml
 
 from trainer.orchestration.launcher import gateway_section
 from trainer.orchestration.preflight import check_model
+from trainer.orchestration.processes import stop_child
 from trainer.training.config import RunConfig, load_config
 from trainer.training.polling import wait_until
 
@@ -75,10 +75,4 @@ def spawn_gateway(
             raise RuntimeError(f"{exc}; read {log_dir}/gateway.log and vllm.log") from exc
         yield url, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_child(proc, 60)

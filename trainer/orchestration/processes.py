@@ -13,6 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from trainer.training.polling import wait_until
 
@@ -103,6 +104,17 @@ class Component:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def stop_child(proc: subprocess.Popen[Any], timeout_s: float) -> None:
+    """SIGTERM one child this process started, SIGKILL if it is still there after `timeout_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def stop_all(components: list[Component], timeout_s: float = 30.0) -> None:

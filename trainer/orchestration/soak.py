@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 
 from trainer.orchestration.chaos import FAULTS, Fault, Injected, LiveRun, inject
 from trainer.orchestration.commands import ROOT
+from trainer.orchestration.processes import stop_child
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -132,12 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1)
         alive = launcher.poll() is None
     finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-        try:
-            launcher.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
+        stop_child(launcher, 120)
         watch.stop()
     result = report(
         args, cmd, run, watch, injected, clean, phase_wall, phase_steps, alive, launcher.returncode

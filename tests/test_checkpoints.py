@@ -170,3 +170,40 @@ def test_run_api_restarted_is_registered_with_again_at_the_current_step(tmp_path
     assert api.fetch_batch() is None  # the restarted run-api's answer
     assert registered == [0, 12] and api.reregistrations == 1
     assert api.fetch_batch() == [{"tokens": [[1]]}]
+
+
+def test_a_run_api_that_never_takes_the_registration_is_an_error_not_a_spin(tmp_path):
+    """run-api given scored data before any registration ignores every later one: the trainer says so and exits,
+    and the launcher's restart of the trainer (with run-api) clears it."""
+    cfg = load_config(RunConfig, None, [f"trainer.output_dir={tmp_path}"])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/register":
+            return httpx.Response(200, json={"uuid": 1})
+        return httpx.Response(
+            200, json={"status": "error", "message": "Trainer not registered.", "batch": []}
+        )
+
+    api = RunApi(cfg, "http://run-api", "logs/run-api.log")
+    api._http = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://run-api")
+    with pytest.raises(RuntimeError, match=r"still answers 'not registered'.*logs/run-api.log"):
+        for _ in range(10):
+            api.fetch_batch()
+
+
+def test_connections_left_for_a_dead_server_are_dropped_not_handed_to_its_successor():
+    import socket
+
+    from trainer.orchestration.processes import drain_backlog, listen
+
+    server = listen("127.0.0.1")
+    port = server.getsockname()[1]
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    for c in clients:
+        c.sendall(b"POST /scored_data HTTP/1.1\r\n\r\n")
+    assert drain_backlog(server.fileno()) == 2
+    fresh = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()  # still a blocking, working listener for the next run-api
+    assert conn.getblocking()
+    for s in (*clients, fresh, conn, server):
+        s.close()

@@ -106,6 +106,27 @@ class Component:
             return "(no log)"
 
 
+def drain_backlog(fd: int) -> int:
+    """Close the connections waiting on an inherited listening socket whose server died. They were made to the
+    dead process (an environment's last post of scored data, say) and must not reach its successor: a run-api that
+    receives data before the trainer registers never accepts the registration. Returns how many were closed."""
+    sock = socket.socket(fileno=os.dup(fd))
+    sock.setblocking(False)  # the flag is shared with the original: set back below
+    closed = 0
+    try:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            conn.close()
+            closed += 1
+    finally:
+        sock.setblocking(True)
+        sock.close()
+    return closed
+
+
 def stop_child(proc: subprocess.Popen[Any], timeout_s: float) -> None:
     """SIGTERM one child this process started, SIGKILL if it is still there after `timeout_s`."""
     if proc.poll() is None:

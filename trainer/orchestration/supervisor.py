@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from trainer.orchestration.commands import PY
-from trainer.orchestration.processes import Component, stop_all
+from trainer.orchestration.processes import Component, drain_backlog, stop_all
 from trainer.training.checkpoints import VERSION_DIR, write_atomic
 from trainer.training.config import RunConfig
 from trainer.training.faults import EXIT_NEEDS_OPERATOR, FAULT_KEYS, FAULTS_FILE
@@ -175,6 +175,10 @@ class Supervisor:
         for comp in self.components:
             if comp not in group:
                 continue
+            if comp is self.api:
+                for fd in comp.pass_fds:
+                    if closed := drain_backlog(fd):
+                        print(f"launch.sh: dropped {closed} connections made to the dead run-api", flush=True)
             comp.start()
             if comp is self.api:
                 wait_http(f"{self.cfg.launch.run_api_url}/status", comp, timeout, "answering /status")

@@ -75,6 +75,9 @@ def split_by_staleness(
     return out
 
 
+MAX_REREGISTRATIONS = 5
+
+
 class RunApi:
     """Atropos's run-api, as the trainer uses it. Calls are retried through transient failures; a run-api that
     answers "not registered" was restarted (by the launcher) and is registered with again at the current step."""
@@ -85,6 +88,7 @@ class RunApi:
         self._http = httpx.Client(base_url=url, timeout=cfg.trainer.request_timeout_s)
         self.step = 0  # where a re-registration starts; the loop keeps it current
         self.reregistrations = 0
+        self.unanswered = 0  # re-registrations in a row that run-api did not take
 
     def register(self, starting_step: int) -> None:
         self.step = starting_step
@@ -108,12 +112,21 @@ class RunApi:
             and body.get("status") == "error"
             and "register" in str(body.get("message"))
         ):
+            self.unanswered += 1
+            if self.unanswered > MAX_REREGISTRATIONS:
+                # run-api keeps its first state: one that got data before any registration never takes one.
+                raise RuntimeError(
+                    f"run-api at {self.edge.url} still answers 'not registered' after {MAX_REREGISTRATIONS} "
+                    "registrations; its state is broken (data arrived before the trainer registered). "
+                    f"Read {self.edge.log}; a restart of run-api (with the trainer) clears it"
+                )
             log.warning(
                 "run-api has no registration (it was restarted); registering again at step %d", self.step
             )
             self.reregistrations += 1
             self.register(self.step)
             return None
+        self.unanswered = 0
         return parse_batch_response(body)
 
 

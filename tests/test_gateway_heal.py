@@ -353,7 +353,9 @@ def test_kill_9_of_vllm_mid_request_heals(own_gateway, heal_adapters, victim):
     )
     assert result["status"] == 200, result
     assert result["version"] == str(v) and len(result["body"]["token_ids"]) == 8
-    limit = 1.5 if victim == "api_server" else 2 * vllm_backend.HEALTH_INTERVAL_S + 2 * 5 + 1
+    # 0.2-0.3 s measured alone; 5.4 s once with a second toy run loading both cores. The old code stayed 200 for
+    # 5-10 s (until the dead group was reaped): 3 s still tells the two apart.
+    limit = 3.0 if victim == "api_server" else 2 * vllm_backend.HEALTH_INTERVAL_S + 2 * 5 + 1
     assert unhealthy_after < limit
     after, version = echo_logprobs(url)
     assert version == v

@@ -294,11 +294,13 @@ def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -
 
 def warn_if_disk_short(cfg: RunConfig, backend: TrainingBackend, run_dir: Path, state: LoopState) -> None:
     """Warn at start when the disk cannot hold the checkpoints and adapters the rest of the run will write (sizes
-    from those already on disk, or from one adapter written now)."""
+    from those already on disk; on a fresh local run, from the trainable parameters at 4 bytes each)."""
     steps_left = cfg.rollout.num_steps - state.step
     adapters = sorted((run_dir / "adapters").glob("v[0-9]*"))
     ckpt = read_latest(run_dir)
-    adapter_bytes = folder_bytes(adapters[-1]) if adapters else 0
+    model = getattr(backend, "model", None)  # the local backend's PEFT model; Tinker keeps its weights remote
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else 0
+    adapter_bytes = folder_bytes(adapters[-1]) if adapters else 4 * trainable
     ckpt_bytes = folder_bytes(ckpt[0]) if ckpt else 3 * adapter_bytes  # adapter + two Adam moments
     every = cfg.trainer.checkpoint_every
     need = steps_left * adapter_bytes + (steps_left // every + 1 if every else 0) * ckpt_bytes

@@ -286,17 +286,12 @@ def publish(url: str, version: int, path: str, replace_newer: bool = False) -> d
 
 
 def engine_pid(api_pid: int) -> int:
-    """vLLM's engine core: the API server's child that runs EngineCore (found by its command line)."""
-
-    def children(pid: int) -> list[int]:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-        return [int(c) for c in text.split()]
+    """vLLM's engine core: the API server's child that runs EngineCore (its comm is cut to 15 characters)."""
+    from trainer.orchestration.chaos import children, command_line
 
     for child in children(api_pid):
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
         comm = Path(f"/proc/{child}/comm").read_text().strip()
-        if "EngineCor" in comm or "EngineCore" in cmdline:  # comm is cut to 15 characters
+        if "EngineCor" in comm or "EngineCore" in command_line(child):
             return child
     raise AssertionError(f"no engine process among {children(api_pid)} of vLLM {api_pid}")
 

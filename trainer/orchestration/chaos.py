@@ -88,7 +88,7 @@ class LiveRun:
         if target == "vllm_engine":  # vLLM's engine core runs as a child process of its API server
             server = self.vllm_pid()
             kids = children(server) if server else []
-            engines = [k for k in kids if "EngineCore" in command_line(k) or "EngineCore" in _comm(k)]
+            engines = [k for k in kids if "EngineCore" in command_line(k) or "EngineCor" in _comm(k)]
             found = engines or kids
             return found[0] if found else None
         pids = self.pids()

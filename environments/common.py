@@ -108,10 +108,36 @@ def run_preflight(check: Preflight | None, argv: Sequence[str]) -> int:
     return 2 if problems else 0
 
 
-def run_cli(env_cls: type[BaseEnv], preflight: Preflight | None = None) -> None:
-    if sys.argv[1:2] == ["preflight"]:
-        sys.exit(run_preflight(preflight, sys.argv[2:]))
+def configure_logging() -> None:
     # atroposlib logs at INFO without a handler of its own.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def chat_template_returns_ids() -> None:
+    """transformers 5 made `apply_chat_template(..., tokenize=True)` return a BatchEncoding unless the caller
+    passes return_dict=False; atroposlib 0.4.0 (tokenize_for_trainer, ~50 upstream environments) was written for
+    transformers 4, where it returned the token ids, and its groups then fail to serialise. In an environment
+    process only, restore the old default: a caller that names return_dict (or asks for the assistant mask, which
+    needs the dict) is left alone."""
+    from transformers import PreTrainedTokenizerBase
+
+    original = PreTrainedTokenizerBase.apply_chat_template
+    if getattr(original, "_returns_ids", False):
+        return
+
+    def apply_chat_template(self: Any, conversation: Any, *args: Any, **kwargs: Any) -> Any:
+        if "return_dict" not in kwargs and not kwargs.get("return_assistant_tokens_mask"):
+            kwargs["return_dict"] = False
+        return original(self, conversation, *args, **kwargs)
+
+    apply_chat_template._returns_ids = True  # type: ignore[attr-defined]
+    PreTrainedTokenizerBase.apply_chat_template = apply_chat_template  # type: ignore[method-assign]
+
+
+def run_cli(env_cls: type[BaseEnv], preflight: Preflight | None = None) -> None:
+    if sys.argv[1:2] == ["preflight"]:
+        sys.exit(run_preflight(preflight, sys.argv[2:]))
+    configure_logging()
+    chat_template_returns_ids()
     env_cls.cli()

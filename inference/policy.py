@@ -157,6 +157,9 @@ class PolicyRegistry:
         return self._policies.get(version)
 
 
+ABANDONED = -1  # a lookup answer: sampled by a policy a rollback abandoned (never a published version, ge=0)
+
+
 def sequence_key(token_ids: list[int]) -> bytes:
     return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).digest()
 
@@ -180,10 +183,12 @@ class VersionLedger:
             self._entries.popitem(last=False)
 
     def lookup(self, token_ids: list[int]) -> int | None:
+        """The version that sampled this sequence; None if the ledger never saw it (an environment that
+        re-tokenized a chat, an evicted entry); ABANDONED if a rollback abandoned the policy that sampled it."""
         entry = self._entries.get(sequence_key(token_ids))
-        if entry is None or not self.timeline.valid(*entry):
+        if entry is None:
             return None
-        return entry[1]
+        return entry[1] if self.timeline.valid(*entry) else ABANDONED
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -154,7 +155,7 @@ SEQ_DROPS = [
 
 @pytest.mark.parametrize("field,mutate,reason", SEQ_DROPS)
 def test_bad_sequence_is_dropped_rest_of_group_trains(groups, field, mutate, reason):
-    out = convert_batch(_mutate(groups, mutate), OPTS)
+    out = convert_batch(_mutate(groups, mutate), dataclasses.replace(OPTS, overlong="drop"))
     assert len(out.drops) == 1
     drop = out.drops[0]
     assert (drop.group_index, drop.sequence_index, drop.field) == (0, 1, field)
@@ -164,6 +165,28 @@ def test_bad_sequence_is_dropped_rest_of_group_trains(groups, field, mutate, rea
     # the group's other sequences keep advantages computed from all four scores
     ex = next(e for e in out.examples if (e.group_index, e.sequence_index) == (0, 0))
     assert {a for a, m in zip(ex.advantages, ex.loss_mask, strict=False) if m} == {-0.5}
+
+
+def test_overlong_sequence_trains_its_first_max_seq_len_tokens(groups):
+    """The default: a sequence past max_seq_len (a completion cut at the environment's budget, say) is not lost;
+    its head trains with the sampler's logprobs and advantages of those positions, its tail gets no loss."""
+    longer = _mutate(
+        groups,
+        lambda b: (
+            b[0]["tokens"][1].extend([5] * 60),
+            b[0]["masks"][1].extend([5] * 60),
+            b[0]["inference_logprobs"][1].extend([-1.0] * 60),
+        ),
+    )
+    out = convert_batch(longer, OPTS)
+    assert out.drops == [] and len(out.examples) == 12
+    ex = next(e for e in out.examples if (e.group_index, e.sequence_index) == (0, 1))
+    head = longer[0]["tokens"][1][:64]
+    assert ex.input_ids == head[:-1] and ex.target_ids == head[1:] and len(ex.loss_mask) == 63
+    assert ex.sampler_logprobs == [
+        v if m else 0.0 for v, m in zip(longer[0]["inference_logprobs"][1][1:64], ex.loss_mask, strict=True)
+    ]
+    assert out.metrics()["rollouts/sequences_truncated"] == 1
 
 
 def test_nan_logprob_at_prompt_position_is_harmless(groups):

@@ -14,7 +14,7 @@ import pytest
 from inference.adapters import check_path, read_config
 from inference.app import create_app
 from inference.config import GatewayConfig, GatewayConfigError, load_gateway_config
-from inference.policy import Policy, PolicyRegistry, VersionLedger
+from inference.policy import ABANDONED, Policy, PolicyRegistry, VersionLedger
 from inference.vllm_backend import (
     BackendError,
     build_vllm_command,
@@ -401,19 +401,19 @@ def test_rollback_retracts_newer_versions_and_the_ledger_forgets_them():
     assert target is reg.get(2) and not needs_load
     assert [p.version for p in reg.make_current(target)] == [3]
     assert reg.current.version == 2 and reg.generation == 1
-    assert [led.lookup([v, 10]) for v in (0, 1, 2, 3)] == [0, 1, 2, None]
+    assert [led.lookup([v, 10]) for v in (0, 1, 2, 3)] == [0, 1, 2, ABANDONED]
     # Version 3 again, another adapter: a new LoRA name; the old timeline's version 3 stays unknown forever.
     new3, needs_load = reg.prepare(3, "/b/3")
     assert needs_load and new3 == Policy(3, "policy-v3-g1", "/b/3", 1)
     assert reg.make_current(new3) == [] and reg.generation == 1
     led.record([3], [11], 3, new3.generation)
-    assert led.lookup([3, 10]) is None and led.lookup([3, 11]) == 3
+    assert led.lookup([3, 10]) == ABANDONED and led.lookup([3, 11]) == 3
     # A different adapter at version 1 abandons 1 itself (and everything above it); the base is never abandoned.
     new1, needs_load = reg.prepare(1, "/c/1")
     assert needs_load and new1.model_name == "policy-v1-g2"
     assert [p.version for p in reg.make_current(new1)] == [1, 2, 3]
-    assert [led.lookup([v, 10]) for v in (0, 1, 2, 3)] == [0, None, None, None]
-    assert led.lookup([3, 11]) is None
+    assert [led.lookup([v, 10]) for v in (0, 1, 2, 3)] == [0, ABANDONED, ABANDONED, ABANDONED]
+    assert led.lookup([3, 11]) == ABANDONED and led.lookup([9, 9]) is None
     with pytest.raises(ValueError, match="prepare"):
         reg.make_current(Policy(2, "policy-v2", "/a/2"))  # not built for this generation
 
@@ -502,7 +502,7 @@ async def test_rollback_to_an_older_loaded_version(tmp_path):
         new = await client.post("/generate", json={"prompt": {"prompt_token_ids": [2]}, "max_tokens": 4})
         assert new.headers["x-policy-version"] == "3"
         lookup = await client.post("/policy/lookup", json={"sequences": [[1, 3, 0], [2, 3, 0]]})
-        assert lookup.json() == {"versions": [None, 3]}
+        assert lookup.json() == {"versions": [ABANDONED, 3]}
 
 
 async def test_rollback_to_a_version_no_longer_loaded_and_to_the_base(tmp_path):
@@ -521,7 +521,7 @@ async def test_rollback_to_a_version_no_longer_loaded_and_to_the_base(tmp_path):
         assert backend.loaded[-1] == "policy-v1-g1" and reg.current.model_name == "policy-v1-g1"
         # Version 1 was reloaded, not kept: what it sampled before is not vouched for.
         lookup = await client.post("/policy/lookup", json={"sequences": [[1, 1, 0]]})
-        assert lookup.json() == {"versions": [None]}
+        assert lookup.json() == {"versions": [ABANDONED]}
         r = await client.post("/policy/publish", json=publish_body(0, None, replace_newer=True))
         assert r.status_code == 200 and r.json()["retracted"] == [1] and r.json()["lora_name"] == "base"
         sampled = await client.post("/generate", json={"prompt": {"prompt_token_ids": [1]}, "max_tokens": 4})
@@ -557,7 +557,7 @@ async def test_a_retracted_policy_stays_loaded_until_its_last_request(tmp_path):
                 break
         assert backend.unloaded == ["policy-v2"], "the retracted v2 goes once its request is done, not v2-g1"
         lookup = await client.post("/policy/lookup", json={"sequences": [[7, 2, 0], [8, 2, 0]]})
-        assert lookup.json() == {"versions": [None, 2]}
+        assert lookup.json() == {"versions": [ABANDONED, 2]}
         assert reg.in_flight() == {}
 
 

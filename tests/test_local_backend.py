@@ -3,6 +3,7 @@ adapters reload with identical logits, resume is bit-exact, micro-batching equal
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -240,3 +241,28 @@ def test_processed_sampler_logprobs_use_the_sequence_temperature(tmp_path, fixtu
     trained = [t for t, m in enumerate(ex.loss_mask) if m]
     assert max(abs(lp_hot[t] - float(ref[t])) for t in trained) < 1e-4
     assert max(abs(lp_hot[t] - lp_raw[t]) for t in trained) > 1e-2
+
+
+def test_groups_without_sampler_logprobs_train_as_on_policy(tmp_path):
+    """A tokenize_for_trainer environment sends no inference_logprobs: with "recompute" the trainer's own logprobs
+    stand in (ratio 1), so the gradient equals that of the same groups carrying the trainer's exact logprobs."""
+    groups = json.loads(FIXTURE.read_text())["batch"]
+    bare = [{k: v for k, v in g.items() if k != "inference_logprobs"} for g in groups]
+    opts = IntakeOptions(vocab_size=2048, max_seq_len=64, missing_sampler_logprobs="recompute")
+    recomputed = convert_batch(bare, opts)
+    assert recomputed.drops == [] and len(recomputed.examples) == len(convert_batch(groups, opts).examples)
+    backend = LocalBackend(make_cfg(tmp_path / "a"))
+    exact = backend.forward_backward(recomputed.examples, LossParams("importance_sampling"))
+    g_recomputed = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.requires_grad}
+    exact_examples = [
+        dataclasses.replace(
+            ex, sampler_logprobs=[v if m else 0.0 for v, m in zip(lp, ex.loss_mask, strict=True)]
+        )
+        for ex, lp in zip(recomputed.examples, exact.trainer_logprobs, strict=True)
+    ]
+    other = LocalBackend(make_cfg(tmp_path / "b"))
+    other.forward_backward(exact_examples, LossParams("importance_sampling"))
+    for n, p in other.model.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(p.grad, g_recomputed[n], atol=1e-7, rtol=1e-5), n
+    assert any(g.abs().sum() > 0 for g in g_recomputed.values())

@@ -28,6 +28,11 @@ def test_split_by_staleness():
     assert (out.dropped_stale, out.dropped_unknown) == (2, 1)
     on_policy = split_by_staleness(groups, versions, current=5, max_staleness=0)
     assert on_policy.kept == groups[:1] and on_policy.dropped_stale == 4
+    # Unknown (never seen by the gateway) is kept on request; abandoned by a rollback (-1) never is.
+    mixed = [*versions, [-1], [4, None]]
+    kept = split_by_staleness([*groups, {"tokens": [[8]]}, {"tokens": [[9], [10]]}], mixed, 5, 2, True)
+    assert len(kept.kept) == 4 and kept.kept_unknown == 2 and kept.dropped_unknown == 1
+    assert kept.staleness == [0, 0, 2, 2, 1]
 
 
 def test_truncate_metrics_on_resume(tmp_path):
@@ -53,7 +58,7 @@ def test_env_command_uses_key_equals_value_and_a_server_list():
     assert flags["env.use_wandb"] == "False" and flags["env.wandb_name"] == "toy-0"
 
 
-def test_any_env_file_gets_only_base_flags(tmp_path):
+def test_any_env_file_runs_through_the_upstream_runner(tmp_path):
     env_file = tmp_path / "my_env.py"
     env_file.write_text("# an Atropos env\n")
     cfg = load_config(
@@ -62,7 +67,9 @@ def test_any_env_file_gets_only_base_flags(tmp_path):
         [f"rollout.env={env_file}", "launch.run_api_url=http://h:1", "launch.gateway_url=http://h:2"],
     )
     argv = env_command(cfg, "/m", 0)
-    assert argv[1] == str(env_file) and not any("temperature" in a for a in argv)
+    # The runner passes on only the flags the file's config class declares (environments/upstream).
+    assert argv[1:5] == ["-m", "environments.upstream", str(env_file), "serve"]
+    assert "--env.temperature=1.0" in argv
     with pytest.raises(ConfigError, match="unknown environment"):
         env_command(load_config(RunConfig, None, ["rollout.env=nope"]), "/m", 0)
 

@@ -247,9 +247,13 @@ class LocalBackend:
         weights_BT = compute_reduction_weights(batch["mask_BT"], reduction, total_tokens, n_sequences)
         if zero_weight:
             weights_BT = torch.zeros_like(weights_BT)
+        sampler_BT = batch["sampler_logprobs_BT"]
+        unknown_BT = torch.isnan(sampler_BT)  # a group sent without sampler logprobs (batch.py, "recompute")
+        if unknown_BT.any():
+            sampler_BT = torch.where(unknown_BT, trainer_lp_BT.detach(), sampler_BT)
         inputs = LossInputs(
             trainer_logprobs_BT=trainer_lp_BT,
-            sampler_logprobs_BT=batch["sampler_logprobs_BT"],
+            sampler_logprobs_BT=sampler_BT,
             advantages_BT=batch["advantages_BT"],
             mask_BT=batch["mask_BT"],
             reduction_weights_BT=weights_BT,

@@ -26,12 +26,13 @@ RUN_API_APP = (
 
 
 def resolve_env_module(env: str) -> list[str]:
-    """`python -m environments.<name>` for a built-in name, `python <file>` for any Atropos env file."""
+    """`python -m environments.<name>` for a built-in name; any Atropos env file runs unmodified through
+    environments.upstream (declared flags only, the gateway as its one server, transformers-4 chat ids)."""
     if env.endswith(".py"):
         path = Path(env)
         if not path.is_file():
             raise ConfigError(f"rollout.env={env!r}: no such environment file")
-        return [PY, str(path.resolve())]
+        return [PY, "-m", "environments.upstream", str(path.resolve())]
     if not (ROOT / "environments" / f"{env}.py").is_file():
         names = sorted(p.stem for p in (ROOT / "environments").glob("*.py") if not p.stem.startswith("_"))
         raise ConfigError(
@@ -72,9 +73,6 @@ def env_command(cfg: RunConfig, model_path: str, worker: int) -> list[str]:
         "openai.tokenizer_name": model_path,
         "openai.server_type": "vllm",
     }
-    if r.env.endswith(".py"):  # any Atropos env: only BaseEnvConfig's own fields can be assumed
-        flags.pop("env.temperature")
-        flags.pop("env.max_new_tokens")
     for key in r.env_args:  # rollout.env_args wins over what the launcher derives
         flags.pop(f"env.{key}", None)
     return [
@@ -85,15 +83,22 @@ def env_command(cfg: RunConfig, model_path: str, worker: int) -> list[str]:
     ]
 
 
-def env_preflight_command(cfg: RunConfig) -> list[str] | None:
-    """The built-in environment's own check of what it needs (e.g. gsm8k's data), run before anything starts;
-    None when the environment has no such check. Read from its source, not imported: an environment process
-    starts in seconds (atroposlib), which a launch should spend only when there is something to check."""
+def env_preflight_command(cfg: RunConfig, model_path: str) -> list[str] | None:
+    """The environment's own check of what it needs, run before anything starts. An env file gets
+    environments.upstream's (declared flags, its setup() and prompt lengths against the run's limits); a
+    built-in one its `preflight` function (e.g. gsm8k's data), or None when it has none. Read from its source, not
+    imported: an environment process starts in seconds (atroposlib), which a launch should spend only when there
+    is something to check."""
     module = resolve_env_module(
         cfg.rollout.env
     )  # an unknown environment is a ConfigError naming the known ones
     if cfg.rollout.env.endswith(".py"):
-        return None
+        flags = [a for a in env_command(cfg, model_path, 0)[len(module) + 1 :] if not a.endswith("=None")]
+        limits = [f"--max-seq-len={cfg.trainer.max_seq_len}", f"--user-keys={','.join(cfg.rollout.env_args)}"]
+        max_model_len = (cfg.inference.get("vllm") or {}).get("max_model_len")
+        if max_model_len:
+            limits.append(f"--max-model-len={max_model_len}")
+        return [*module, "preflight", *flags, *limits]
     source = (ROOT / "environments" / f"{cfg.rollout.env}.py").read_text()
     if not any(isinstance(n, ast.FunctionDef) and n.name == "preflight" for n in ast.parse(source).body):
         return None

@@ -115,18 +115,22 @@ def preflight(cfg: RunConfig) -> str:
         problems.append(str(exc))
     if tinker and not cfg.tinker.client_factory:
         problems += check_tinker()
-    problems += check_environment(cfg)
+    if not problems:  # the environment's check loads the tokenizer: only worth it once the model is there
+        problems += check_environment(cfg, model_path)
     if problems:
         raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
     return model_path
 
 
-def check_environment(cfg: RunConfig) -> list[str]:
-    """Run the built-in environment's own pre-flight (`python -m environments.NAME preflight`)."""
-    argv = env_preflight_command(cfg)
+def check_environment(cfg: RunConfig, model_path: str) -> list[str]:
+    """Run the environment's own pre-flight; its notes are printed, its problems returned."""
+    argv = env_preflight_command(cfg, model_path)
     if argv is None:
         return []
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    for line in proc.stdout.splitlines():
+        if line.startswith("note: "):
+            print(f"environment: {line.removeprefix('note: ')}", flush=True)
     if proc.returncode == 0:
         return []
     lines = [line for line in proc.stderr.splitlines() if line.startswith("preflight: ")]

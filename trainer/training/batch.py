@@ -7,7 +7,8 @@ field and value, so the rest of the batch still trains. What is dropped, and at 
   NaN/inf, inference_logprobs are missing when the loss needs them, a token id is outside [0, vocab_size);
   a group whose scores are all equal (and carries no token-level advantages) is skipped as zero-variance.
 - sequence (the group's other sequences still train, advantages use all its scores): no trained token, longer
-  than max_seq_len, NaN/inf sampler logprob or advantage at a trained position, a mask that names another token.
+  than max_seq_len with overlong="drop" (with "truncate", the default, only its first max_seq_len tokens train),
+  NaN/inf sampler logprob or advantage at a trained position, a mask that names another token.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class ConvertedBatch:
     groups_received: int = 0
     sequences_received: int = 0
     groups_zero_variance: int = 0
+    sequences_truncated: int = 0
     scores: list[float] = field(default_factory=list)  # every finite score received, for reward metrics
 
     def metrics(self) -> dict[str, float]:
@@ -93,6 +95,7 @@ class ConvertedBatch:
             "rollouts/sequences_received": float(self.sequences_received),
             "rollouts/sequences_trained": float(len(self.examples)),
             "rollouts/groups_zero_variance": float(self.groups_zero_variance),
+            "rollouts/sequences_truncated": float(self.sequences_truncated),
             "rollouts/groups_dropped_malformed": float(dropped_groups),
             "rollouts/sequences_dropped_malformed": float(len(self.drops) - dropped_groups),
             **{f"rollouts/dropped_{k}": float(v) for k, v in Counter(d.field for d in self.drops).items()},
@@ -106,6 +109,10 @@ class IntakeOptions:
     normalize_std: bool = False
     std_eps: float = 1e-6
     require_sampler_logprobs: bool = True
+    overlong: str = "truncate"  # or "drop": a sequence longer than max_seq_len
+    # A group without inference_logprobs (an environment that re-tokenizes with tokenize_for_trainer): "drop" it,
+    # or "recompute": its sampler logprobs are NaN here and the trainer uses its own, detached (ratio 1).
+    missing_sampler_logprobs: str = "drop"
 
 
 def parse_batch_response(body: Any) -> list[Any] | None:
@@ -189,7 +196,11 @@ def _check_group(gi: int, g: ScoredDataGroup, opts: IntakeOptions) -> Drop | Non
     for si, score in enumerate(g.scores):
         if not math.isfinite(score):
             return Drop(gi, None, "scores", f"sequence {si} score is {score}")
-    if opts.require_sampler_logprobs and g.inference_logprobs is None:
+    if (
+        opts.require_sampler_logprobs
+        and g.inference_logprobs is None
+        and opts.missing_sampler_logprobs != "recompute"
+    ):
         return Drop(
             gi, None, "inference_logprobs", "missing; the environment must sample through ManagedServer"
         )
@@ -222,14 +233,18 @@ def _convert_group(gi: int, g: ScoredDataGroup, opts: IntakeOptions, out: Conver
             out.drops.append(example)
         else:
             out.examples.append(example)
+            out.sequences_truncated += len(g.tokens[si]) > opts.max_seq_len
 
 
 def _convert_sequence(
     gi: int, si: int, g: ScoredDataGroup, seq_advantage: float, opts: IntakeOptions
 ) -> TrainingExample | Drop:
-    tokens, masks = g.tokens[si], g.masks[si]
-    if len(tokens) > opts.max_seq_len:
-        return Drop(gi, si, "tokens", f"length {len(tokens)} exceeds max_seq_len {opts.max_seq_len}")
+    n = len(g.tokens[si])
+    if n > opts.max_seq_len:
+        if opts.overlong == "drop":
+            return Drop(gi, si, "tokens", f"length {n} exceeds max_seq_len {opts.max_seq_len}")
+        n = opts.max_seq_len  # the tail past the trainer's limit gets no loss; the rest trains as sampled
+    tokens, masks = g.tokens[si][:n], g.masks[si][:n]
     mismatch = next(
         (t for t in range(len(tokens)) if masks[t] != IGNORE_INDEX and masks[t] != tokens[t]), None
     )
@@ -242,15 +257,18 @@ def _convert_sequence(
     override = g.overrides[si] if g.overrides else None
     zero_adv = bool(override and override.get("set_advantage_to_zero"))
     if g.advantages is not None:
-        advantages = [float(a) for a in g.advantages[si][1:]]
+        advantages = [float(a) for a in g.advantages[si][1:n]]
     else:
         advantages = [seq_advantage] * len(loss_mask)
     if zero_adv:
         advantages = [0.0] * len(loss_mask)
-    sampler = (
-        [float(x) for x in g.inference_logprobs[si][1:]] if g.inference_logprobs else [0.0] * len(loss_mask)
-    )
-    for name, values in (("inference_logprobs", sampler), ("advantages", advantages)):
+    recompute = opts.require_sampler_logprobs and not g.inference_logprobs
+    if g.inference_logprobs:
+        sampler = [float(x) for x in g.inference_logprobs[si][1:n]]
+    else:
+        sampler = [math.nan if recompute else 0.0] * len(loss_mask)
+    checked = [("advantages", advantages)] + ([] if recompute else [("inference_logprobs", sampler)])
+    for name, values in checked:
         bad = next(
             (
                 t

@@ -89,7 +89,12 @@ class AdvantageConfig(_Section):
 
 class TrainerConfig(_Section):
     max_seq_len: int = Field(
-        2048, ge=2, description="longest prompt+completion, tokens; longer ones are dropped"
+        2048, ge=2, description="longest prompt+completion the trainer trains, tokens (see overlong)"
+    )
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate",
+        description="a sequence longer than max_seq_len: train its first max_seq_len tokens, or drop it "
+        "(its group's other sequences train either way; rollouts/sequences_truncated counts them)",
     )
     micro_batch_tokens: int = Field(8192, ge=1, description="padded tokens per forward/backward micro-batch")
     logprob_chunk_tokens: int = Field(
@@ -159,6 +164,17 @@ class RolloutConfig(_Section):
         None, ge=1, description="batches the env may keep queued or in flight; None = max(1, max_staleness)"
     )
     env_args: dict[str, Any] = Field(default_factory=dict, description="extra --env.<key> <value> flags")
+    missing_logprobs: Literal["recompute", "drop"] = Field(
+        "recompute",
+        description="a group without inference_logprobs (tokenize_for_trainer environments): the local trainer "
+        "uses its own logprobs as the sampler's (importance ratio 1, exact on-policy), or drops the group; "
+        "the Tinker backend always drops",
+    )
+    unknown_version: Literal["keep", "drop"] = Field(
+        "keep",
+        description="sequences the gateway's ledger never saw (an environment that re-tokenizes a multi-turn "
+        "chat): keep them (their lag is bounded by max_batches_offpolicy) or drop them",
+    )
     seed: int = Field(0, description="environment data seed")
 
     @property

@@ -52,25 +52,37 @@ class StalenessSplit:
     kept: list[Any]
     staleness: list[int]  # per kept group
     dropped_stale: int  # sequences
-    dropped_unknown: int  # sequences whose version the gateway does not know
+    dropped_unknown: int  # sequences sampled by an abandoned policy, or unknown ones with keep_unknown off
+    kept_unknown: int = 0  # sequences the gateway never saw, trained under atroposlib's own lag bound
+
+
+ABANDONED = -1  # the gateway's lookup answer for a sequence sampled by a policy a rollback abandoned
 
 
 def split_by_staleness(
-    groups: list[Any], versions: list[list[int | None]], current: int, max_staleness: int
+    groups: list[Any],
+    versions: list[list[int | None]],
+    current: int,
+    max_staleness: int,
+    keep_unknown: bool = False,
 ) -> StalenessSplit:
-    """Keep groups whose every sequence was sampled within `max_staleness` versions of `current`."""
+    """Keep groups whose every sequence was sampled within `max_staleness` versions of `current`. A sequence the
+    gateway never saw (an environment that re-tokenized a multi-turn chat, say) is kept with `keep_unknown`: the
+    environment's max_batches_offpolicy still bounds its lag; one sampled by an abandoned policy never is."""
     out = StalenessSplit([], [], 0, 0)
     for group, group_versions in zip(groups, versions):
         n = len(group_versions)
-        if any(v is None for v in group_versions):
+        unknown = sum(v is None for v in group_versions)
+        if ABANDONED in group_versions or (unknown and not keep_unknown):
             out.dropped_unknown += n
             continue
         known = [v for v in group_versions if v is not None]
-        lag = current - min(known)
+        lag = current - min(known, default=current)
         if lag > max_staleness:
             out.dropped_stale += n
             continue
         out.kept.append(group)
+        out.kept_unknown += unknown
         out.staleness.extend(current - v for v in known)
     return out
 
@@ -97,7 +109,10 @@ class RunApi:
             "wandb_group": Path(cfg.trainer.output_dir).name,
             "wandb_project": cfg.launch.wandb_project,
             "batch_size": cfg.rollout.batch_size,
-            "max_token_len": cfg.rollout.max_token_length,
+            # -1: atroposlib drops a whole group when any sequence reaches max_token_len, which a completion cut
+            # at the environment's own budget does. The trainer applies its limit per sequence instead
+            # (trainer.max_seq_len, trainer.overlong), so nothing the environment scored is lost whole.
+            "max_token_len": -1,
             "checkpoint_dir": str(Path(cfg.trainer.output_dir) / "checkpoints"),
             "save_checkpoint_interval": cfg.trainer.checkpoint_every,
             "starting_step": starting_step,
@@ -254,6 +269,9 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> None:
     intake = IntakeOptions(
         vocab_size=backend.vocab_size,
         max_seq_len=cfg.trainer.max_seq_len,
+        overlong=cfg.trainer.overlong,
+        # Tinker computes the loss remotely from the logprobs it is sent: only the local trainer can stand in.
+        missing_sampler_logprobs=cfg.rollout.missing_logprobs if cfg.launch.backend == "local" else "drop",
         normalize_std=cfg.normalize_std(),
         std_eps=cfg.advantage.std_eps,
         require_sampler_logprobs=cfg.loss.name != "cross_entropy",
@@ -389,7 +407,9 @@ def _one_step(
     groups = wait_for_batch(api, cfg.trainer.batch_poll_s, stopper)
     times.batch = time.monotonic()
     versions = versions_by_group(gateway, groups)
-    split = split_by_staleness(groups, versions, state.version, cfg.rollout.max_staleness)
+    split = split_by_staleness(
+        groups, versions, state.version, cfg.rollout.max_staleness, cfg.rollout.unknown_version == "keep"
+    )
     converted = convert_batch(split.kept, intake)
     for drop in converted.drops:
         log.warning("dropped rollout: %s", drop)
@@ -451,6 +471,7 @@ def _metrics_row(
         "policy/staleness_max": float(max(split.staleness, default=0)),
         "rollouts/dropped_stale": float(split.dropped_stale),
         "rollouts/dropped_unknown_version": float(split.dropped_unknown),
+        "rollouts/kept_unknown_version": float(split.kept_unknown),
         **converted.metrics(),
         "time/step_s": times.published - times.started,
         "time/wait_for_batch_s": times.batch - times.started,

@@ -1,0 +1,1 @@
+"""Running upstream Atropos environment files unmodified (envfile.py) and checking them first (probe.py)."""

@@ -189,6 +189,14 @@ def test_overlong_sequence_trains_its_first_max_seq_len_tokens(groups):
     assert out.metrics()["rollouts/sequences_truncated"] == 1
 
 
+def test_empty_optional_fields_mean_absent(groups):
+    """atroposlib's default collect_trajectories (one collect_trajectory per sequence) sends [] for advantages,
+    ref_logprobs, messages and overrides that no item filled in."""
+    bare = [{**g, "advantages": [], "ref_logprobs": [], "messages": [], "overrides": []} for g in groups]
+    out = convert_batch(bare, OPTS)
+    assert out.drops == [] and len(out.examples) == len(convert_batch(groups, OPTS).examples)
+
+
 def test_nan_logprob_at_prompt_position_is_harmless(groups):
     bad = _mutate(groups, lambda b: b[0]["inference_logprobs"][0].__setitem__(2, math.nan))
     out = convert_batch(bad, OPTS)

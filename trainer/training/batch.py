@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 IGNORE_INDEX = -100  # Atropos's mask value for positions that are not trained
 
@@ -40,6 +40,12 @@ class ScoredDataGroup(BaseModel):
     overrides: list[dict[str, Any] | None] | None = None
     group_overrides: dict[str, Any] | None = None
     env_id: int | None = None
+
+    @field_validator("advantages", "ref_logprobs", "messages", "inference_logprobs", "overrides", mode="before")
+    @classmethod
+    def _empty_is_absent(cls, value: Any) -> Any:
+        # atroposlib's own collect_trajectories sends [] for an optional field no item filled in.
+        return None if isinstance(value, list) and not value else value
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from trainer.orchestration.commands import PY
+from trainer.orchestration.idle import Snapshot, explain_idle, log_tail
 from trainer.orchestration.processes import Component, drain_backlog, stop_all
 from trainer.training.checkpoints import VERSION_DIR, write_atomic
 from trainer.training.config import RunConfig
@@ -87,6 +88,9 @@ class Supervisor:
         self.queued = 0  # sequences waiting in run-api at the last probe
         self.vllm_restarts = 0  # the gateway's count at the last probe
         self.next_probe = 0.0
+        self.progress_at = time.monotonic()  # the last new metrics row (or the start)
+        self.progress_seen = Snapshot()  # the components' counts then
+        self.next_idle_warning = 0.0
         token = cfg.inference.get("publish_token")
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
 
@@ -122,6 +126,7 @@ class Supervisor:
             )
         if time.monotonic() >= self.next_probe:
             self.probe()
+        self.warn_if_idle()
         return None
 
     # --- healing --------------------------------------------------------------------------------------------
@@ -252,4 +257,35 @@ class Supervisor:
         for line in rows[self.rows_seen :]:
             with contextlib.suppress(ValueError, KeyError):
                 print(progress_line(json.loads(line), self.cfg.rollout.num_steps), flush=True)
+        if len(rows) > self.rows_seen and self.cfg.launch.idle_warn_s:
+            self.progress_at = time.monotonic()
+            self.progress_seen = self.snapshot()
         self.rows_seen = len(rows)
+
+    def snapshot(self) -> Snapshot:
+        gateway = run_api = None
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            gateway = httpx.get(f"{self.cfg.launch.gateway_url}/policy", timeout=2, headers=self.auth).json()
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            run_api = httpx.get(f"{self.cfg.launch.run_api_url}/status", timeout=2).json()
+        return Snapshot.read(gateway, run_api)
+
+    def warn_if_idle(self) -> None:
+        """Every launch.idle_warn_s without a step: one line naming the likeliest cause."""
+        limit, now = self.cfg.launch.idle_warn_s, time.monotonic()
+        if not limit or now - self.progress_at < limit or now < self.next_idle_warning:
+            return
+        self.next_idle_warning = now + limit
+        env_log = self.envs[0].log if self.envs else self.trainer.log
+        tail = "".join(log_tail(e.log) for e in self.envs)
+        print(
+            explain_idle(
+                now - self.progress_at,
+                self.progress_seen,
+                self.snapshot(),
+                self.cfg.rollout.batch_size,
+                tail,
+                str(env_log),
+            ),
+            flush=True,
+        )

@@ -41,7 +41,9 @@ class ScoredDataGroup(BaseModel):
     group_overrides: dict[str, Any] | None = None
     env_id: int | None = None
 
-    @field_validator("advantages", "ref_logprobs", "messages", "inference_logprobs", "overrides", mode="before")
+    @field_validator(
+        "advantages", "ref_logprobs", "messages", "inference_logprobs", "overrides", mode="before"
+    )
     @classmethod
     def _empty_is_absent(cls, value: Any) -> Any:
         # atroposlib's own collect_trajectories sends [] for an optional field no item filled in.

@@ -211,6 +211,12 @@ class LaunchConfig(_Section):
     run_api_url: str | None = Field(None, description="set by the launcher once run-api is up")
     gateway_url: str | None = Field(None, description="set by the launcher once the gateway is healthy")
     health_timeout_s: float = Field(600.0, gt=0, description="deadline for each component to become healthy")
+    idle_warn_s: float = Field(
+        180.0,
+        ge=0,
+        description="print why the run is idle after this many seconds without a training step (repeated as "
+        "long as it lasts); 0 = never",
+    )
     wandb: bool = Field(
         False, description="also log metrics to Weights & Biases (offline unless WANDB_MODE says)"
     )

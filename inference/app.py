@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import math
 import secrets
@@ -23,9 +22,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from inference.accounting import LogLimiter, RequestAccounting, RequestStats
 from inference.config import GatewayConfig
-from inference.errors import BackendError
+from inference.errors import BackendError, Reason, default_reason
 from inference.guard import BodyGuard
+from inference.intake import json_object, move_stop_ids, parse_generate, validation_message
+from inference.lanes import SoloLane
 from inference.policy import Policy, PolicyRegistry, VersionLedger
 from inference.wire import (
     LookupRequest,
@@ -35,10 +37,7 @@ from inference.wire import (
     PublishRequest,
     PublishResponse,
     Sample,
-    SamplingParams,
     SamplingRequest,
-    SGLangGenerateRequest,
-    VLLMGenerateRequest,
     sglang_generate_response,
     vllm_generate_response,
 )
@@ -71,16 +70,10 @@ class SamplingBackend(Protocol):
     async def unload_adapter(self, policy: Policy) -> None: ...
 
 
-def error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
-
-
-def _validation_message(exc: ValidationError | RequestValidationError, prefix: str = "") -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if p not in ("body", "sampling"))
-        parts.append(f"{prefix}{loc or 'body'}: {err['msg']} (got {repr(err.get('input'))[:80]})")
-    return "; ".join(parts)
+def error(status: int, message: str, reason: Reason | None = None) -> JSONResponse:
+    """OpenAI's error shape; `type` is the reason key the request accounting counts (inference.errors.Reason)."""
+    body = {"message": message, "type": reason or default_reason(status), "code": status}
+    return JSONResponse({"error": body}, status_code=status)
 
 
 def check_openai_body(gw: Gateway, body: dict[str, Any]) -> None:
@@ -89,7 +82,7 @@ def check_openai_body(gw: Gateway, body: dict[str, Any]) -> None:
     try:
         limits = OpenAIBodyLimits.model_validate(body)
     except ValidationError as exc:
-        raise BackendError(400, _validation_message(exc)) from exc
+        raise BackendError(400, validation_message(exc)) from exc
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
         batch = prompt if isinstance(prompt[0], list) else [prompt]  # one token-id prompt, or several
@@ -97,7 +90,7 @@ def check_openai_body(gw: Gateway, body: dict[str, Any]) -> None:
             try:
                 ids = SamplingRequest.model_validate({"prompt_token_ids": one}).prompt_token_ids
             except ValidationError as exc:
-                raise BackendError(400, "prompt: " + _validation_message(exc)) from exc
+                raise BackendError(400, "prompt: " + validation_message(exc)) from exc
             gw.validate_tokens(ids, limits.max_tokens or limits.max_completion_tokens or 16, "prompt")
     elif prompt is not None and not isinstance(prompt, str | list):
         raise BackendError(
@@ -119,6 +112,24 @@ class Gateway:
         self.vocab_size = vocab_size
         self.publish_lock = asyncio.Lock()
         self.cleanup_lock = asyncio.Lock()
+        self.lane = SoloLane()  # prompt-logprob requests run alone in vLLM (inference/lanes.py)
+        self.stats = RequestStats()
+        self.stop_notices = LogLimiter(burst=1, window_s=60.0)  # one INFO line per route and minute
+
+    def note_moved_stop_ids(self, route: str, ids: list[int]) -> None:
+        """Say (at most once a minute per route) that integer stop entries became stop_token_ids: a rewrite of
+        what the client sent must be visible, but an environment sends it with every request."""
+        if not ids:
+            return
+        held = self.stop_notices.admit(route)
+        if held is not None:
+            more = f" ({held} more such requests since the last notice)" if held else ""
+            log.info(
+                "%s: integer stop entries %s moved to stop_token_ids (vLLM takes only strings in stop)%s",
+                route,
+                ids,
+                more,
+            )
 
     def validate_tokens(self, ids: list[int], max_tokens: int, field: str) -> None:
         bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
@@ -132,6 +143,7 @@ class Gateway:
                 400,
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                 f"context of {limit} tokens; lower max_tokens or shorten the prompt",
+                reason="prompt_too_long",
             )
 
     def authorized(self, request: Request) -> bool:
@@ -141,11 +153,18 @@ class Gateway:
         given = request.headers.get("authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {self.cfg.publish_token}".encode())
 
-    async def run(self, coro_fn: Any, request: Request | None = None) -> tuple[Any, Policy]:
+    async def run(
+        self, coro_fn: Any, request: Request | None = None, solo: bool = False
+    ) -> tuple[Any, Policy]:
         """Run a backend call on the current policy, keeping that policy loaded until the call returns. With the
-        client's `request`, the call is cancelled (and vLLM aborts its work) when the client goes away."""
+        client's `request`, the call is cancelled (and vLLM aborts its work) when the client goes away; `solo`
+        runs it alone in the engine (inference/lanes.py)."""
         if not self.backend.ready and self.backend.state in ("failed", "stopped"):
             raise BackendError(503, f"sampling backend is {self.backend.state}")
+        async with self.lane.enter(solo):
+            return await self._run_on_current(coro_fn, request)
+
+    async def _run_on_current(self, coro_fn: Any, request: Request | None) -> tuple[Any, Policy]:
         policy = self.registry.acquire()
         try:
             if request is None:
@@ -251,41 +270,6 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
             task.cancel()
 
 
-async def _json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BackendError(400, f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BackendError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def _parse_generate(body: dict[str, Any]) -> tuple[str, SamplingRequest]:
-    """Either /generate dialect, every field type- and range-checked, as one SamplingRequest."""
-    parsed: VLLMGenerateRequest | SGLangGenerateRequest
-    try:
-        if "input_ids" in body:
-            dialect, parsed = "sglang", SGLangGenerateRequest.model_validate(body)
-        elif "prompt" in body:
-            dialect, parsed = "vllm", VLLMGenerateRequest.model_validate(body)
-        else:
-            raise BackendError(
-                400,
-                "expected 'prompt': {'prompt_token_ids': [...]} (vLLM style) or 'input_ids' (SGLang style)",
-            )
-    except ValidationError as exc:
-        raise BackendError(400, _validation_message(exc)) from exc
-    # SGLang puts n, max_new_tokens and the sampling parameters under sampling_params.
-    prefix = "sampling_params." if dialect == "sglang" else ""
-    try:
-        req = parsed.to_sampling()
-        SamplingParams.model_validate(req.sampling)
-    except ValidationError as exc:
-        raise BackendError(400, _validation_message(exc, prefix)) from exc
-    return dialect, req
-
-
 def create_app(
     cfg: GatewayConfig,
     backend: SamplingBackend,
@@ -312,6 +296,8 @@ def create_app(
     app = FastAPI(title="RL policy gateway", lifespan=lifespan)
     app.state.gateway = gw
     app.add_middleware(BodyGuard, max_body_bytes=cfg.max_body_bytes, max_json_depth=cfg.max_json_depth)
+    # Added last, so outermost: it also sees the refusals the guard answers before any route runs.
+    app.add_middleware(RequestAccounting, stats=gw.stats)
     app.add_exception_handler(BackendError, _backend_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _request_validation_error)  # type: ignore[arg-type]
     app.include_router(sampling_routes(gw))
@@ -321,14 +307,23 @@ def create_app(
 
 
 async def _backend_error(_: Request, exc: BackendError) -> JSONResponse:
-    response = error(exc.status, exc.message)
+    response = error(exc.status, exc.message, exc.reason)
     if exc.retry_after is not None:
         response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     return response
 
 
 async def _request_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return error(400, _validation_message(exc))
+    return error(400, validation_message(exc))
+
+
+def check_prompt_logprobs(req: SamplingRequest, samples: list[Sample]) -> None:
+    """502 if prompt logprobs were asked for and the sampler gave none: atroposlib's get_logprobs would fail on
+    the answer with a message that blames the client."""
+    if req.sampling.get("prompt_logprobs") is not None and (
+        not samples or samples[0].prompt_logprobs is None
+    ):
+        raise BackendError(502, "the sampler answered without the prompt_logprobs that were asked for")
 
 
 def respond(body: Any, policy: Policy) -> JSONResponse:
@@ -348,9 +343,12 @@ def sampling_routes(gw: Gateway) -> APIRouter:
 
     @router.post("/generate")
     async def generate(request: Request) -> JSONResponse:
-        dialect, req = _parse_generate(await _json_object(request))
+        dialect, req, moved = parse_generate(await json_object(request))
+        gw.note_moved_stop_ids("/generate", moved)
         gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
-        samples, policy = await gw.run(lambda p: backend.sample(req, p), request)
+        solo = req.sampling.get("prompt_logprobs") is not None
+        samples, policy = await gw.run(lambda p: backend.sample(req, p), request, solo)
+        check_prompt_logprobs(req, samples)
         for s in samples:
             gw.record(req.prompt_token_ids, s.token_ids, policy)
         if dialect == "sglang":
@@ -399,12 +397,14 @@ def openai_routes(gw: Gateway) -> APIRouter:
 
 async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse:
     """An OpenAI body passed to the backend under the current policy; what was sampled goes into the ledger."""
-    body = await _json_object(request)
+    body = await json_object(request)
     if body.get("stream"):
         raise BackendError(400, "stream=true is not supported by the gateway; send stream=false")
+    gw.note_moved_stop_ids(path, move_stop_ids(body))
     check_openai_body(gw, body)
     body.setdefault("return_token_ids", True)  # lets the ledger record what was sampled
-    result, policy = await gw.run(lambda p: gw.backend.forward(path, body, p), request)
+    solo = body.get("prompt_logprobs") is not None or bool(body.get("echo"))  # both score the prompt
+    result, policy = await gw.run(lambda p: gw.backend.forward(path, body, p), request, solo)
     for choice in result.get("choices", []):
         prompt_ids = choice.get("prompt_token_ids") or result.get("prompt_token_ids")
         if prompt_ids is not None and choice.get("token_ids") is not None:
@@ -423,17 +423,17 @@ def policy_routes(gw: Gateway) -> APIRouter:
         if not gw.authorized(request):  # before the body is read: strangers learn nothing from a parse error
             raise BackendError(401, "publishing needs 'Authorization: Bearer <inference.publish_token>'")
         try:
-            req = PublishRequest.model_validate(await _json_object(request))
+            req = PublishRequest.model_validate(await json_object(request))
         except ValidationError as exc:
-            raise BackendError(400, _validation_message(exc)) from exc
+            raise BackendError(400, validation_message(exc)) from exc
         return await gw.publish(req)
 
     @router.post("/policy/lookup")
     async def lookup(request: Request) -> LookupResponse:
         try:
-            req = LookupRequest.model_validate(await _json_object(request))
+            req = LookupRequest.model_validate(await json_object(request))
         except ValidationError as exc:
-            raise BackendError(400, _validation_message(exc)) from exc
+            raise BackendError(400, validation_message(exc)) from exc
         return LookupResponse(versions=[gw.ledger.lookup(seq) for seq in req.sequences])
 
     @router.get("/policy")
@@ -447,6 +447,10 @@ def policy_routes(gw: Gateway) -> APIRouter:
             healthy=backend.ready,
             state=backend.state,
             restarts=backend.restarts,
+            requests_total=gw.stats.requests_total,
+            rejected_total=gw.stats.rejected_total,
+            rejected_by_reason=dict(gw.stats.rejected_by_reason),
+            last_rejection=gw.stats.last_rejection,
         )
         if gw.authorized(request):  # where vLLM listens and its PIDs are for the token's holders only
             state.backend_url = backend.url

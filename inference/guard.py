@@ -13,6 +13,8 @@ import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from inference.errors import Reason, default_reason
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -21,10 +23,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class Refused(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, reason: Reason | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.reason: Reason = reason or default_reason(status)
 
 
 def json_depth(raw: bytes) -> int:
@@ -107,7 +110,7 @@ class BodyGuard:
             if body:
                 check_json_body(body, self.max_json_depth)
         except Refused as exc:
-            await _answer(send, exc.status, exc.message)
+            await _answer(send, exc.status, exc.message, exc.reason)
             return
         replayed = False
 
@@ -130,7 +133,7 @@ class BodyGuard:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise Refused(400, "client disconnected before sending the body")
+                raise Refused(400, "client disconnected before sending the body", "client_disconnected")
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
@@ -140,8 +143,9 @@ class BodyGuard:
                 return b"".join(chunks)
 
 
-async def _answer(send: Send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "code": status}}).encode()
+async def _answer(send: Send, status: int, message: str, reason: Reason) -> None:
+    # The app's error shape (inference.app.error): `type` is the reason the request accounting counts.
+    body = json.dumps({"error": {"message": message, "type": reason, "code": status}}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -121,7 +121,8 @@ PORT_ATTEMPTS = 3  # vLLM starts on a fresh port when the one chosen was taken b
 
 
 def parse_completion_choices(body: dict[str, Any]) -> list[Sample]:
-    """Samples from a vLLM /v1/completions body requested with logprobs=0 and return_tokens_as_token_ids."""
+    """Samples from a vLLM /v1/completions body requested with logprobs=0 and return_tokens_as_token_ids (and,
+    when asked, prompt_logprobs)."""
     samples = []
     for choice in sorted(body["choices"], key=lambda c: c["index"]):
         lp = choice.get("logprobs") or {"tokens": [], "token_logprobs": []}
@@ -132,9 +133,20 @@ def parse_completion_choices(body: dict[str, Any]) -> list[Sample]:
                 logprobs=[float(x) for x in lp["token_logprobs"]],
                 finish_reason=choice.get("finish_reason") or "stop",
                 stop_reason=choice.get("stop_reason"),
+                prompt_logprobs=parse_prompt_logprobs(choice.get("prompt_logprobs")),
             )
         )
     return samples
+
+
+def parse_prompt_logprobs(raw: list[dict[str, Any] | None] | None) -> list[dict[int, float] | None] | None:
+    """vLLM's per-position {"<id>": {"logprob", "rank", "decoded_token"}} as {id: logprob}, keeping vLLM's order
+    (the prompt token first, then the top k). vLLM writes -9999.0 for a logprob of -inf."""
+    if raw is None:
+        return None
+    return [
+        None if pos is None else {int(t): float(entry["logprob"]) for t, entry in pos.items()} for pos in raw
+    ]
 
 
 class VLLMBackend:
@@ -465,9 +477,17 @@ class VLLMBackend:
     def _http_error(cls, r: httpx.Response) -> BackendError:
         detail = cls._detail(r)
         if r.status_code == 404:
-            return BackendError(503, f"the policy's adapter is not loaded in vLLM: {detail}")
+            return BackendError(
+                503, f"the policy's adapter is not loaded in vLLM: {detail}", reason="adapter_not_loaded"
+            )
         if 400 <= r.status_code < 500:
-            return BackendError(400, f"vLLM rejected the request: {detail}")
+            # vLLM's own context check (chat prompts are tokenized there, never by the gateway).
+            too_long = "maximum context length" in detail
+            return BackendError(
+                400,
+                f"vLLM rejected the request: {detail}",
+                reason="prompt_too_long" if too_long else "backend_rejected",
+            )
         return BackendError(502, f"vLLM failed ({r.status_code}): {detail}")
 
     @classmethod

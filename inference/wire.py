@@ -3,7 +3,10 @@
 Two `/generate` dialects arrive from atroposlib 0.4.0's ManagedServer clients (its vllm_server.py and
 sglang_server.py):
 - vLLM style (`server_type: vllm`): {"prompt": {"prompt_token_ids": [...]}, "logprobs": 0, "n", "max_tokens", ...}
-  answered with {"logprobs": [n x [[{"<id>": lp}] per token]], "finish_reasons": [n x str]}.
+  answered with {"logprobs": [n x [[{"<id>": lp}] per token]], "finish_reasons": [n x str]}. Its get_logprobs
+  sends {"prompt": {"prompt_token_ids": [...]}, "prompt_logprobs": k, "n": 1, "temperature": 0.0, "top_p": 1.0,
+  "max_tokens": 1} and reads "prompt_logprobs": one entry per prompt position, None for the first, then
+  {"<id>": lp, ...} with the prompt token's own first and the top k after it (vLLM's order).
 - SGLang style (`server_type: sglang`): {"input_ids": [...], "sampling_params": {...}, "return_logprob": true}
   answered with {"meta_info": {"output_token_logprobs": [[lp, id, text], ...], "finish_reason": {...}}} (a list
   of those when n > 1).
@@ -20,6 +23,8 @@ MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; the gateway also check
 TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Count = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: top-k logprobs per position above it are refused by vLLM
+TopK = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class SamplingParams(BaseModel):
@@ -45,6 +50,19 @@ class SamplingParams(BaseModel):
     spaces_between_special_tokens: StrictBool | None = None
     logit_bias: dict[str, Annotated[Finite, Field(ge=-100, le=100)]] | None = None
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None  # top-k per prompt position, besides the prompt token's own logprob
+
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def _prompt_top_k(cls, value: Any) -> Any:
+        # One message that says what the number means and what to send (pydantic's would only give the bound).
+        # vLLM's -1 ("the whole vocabulary") is refused: a vocabulary per position is too big to answer.
+        if value is None or (type(value) is int and 0 <= value <= MAX_LOGPROBS):
+            return value
+        raise ValueError(
+            f"expected an integer from 0 to {MAX_LOGPROBS}: the number of top logprobs per prompt position "
+            "besides the prompt token's own (0 = only its own); send a value in that range"
+        )
 
     @field_validator("logit_bias")
     @classmethod
@@ -69,9 +87,8 @@ class OpenAIBodyLimits(SamplingParams):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKEN_ID)] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=1024)] | None = None
     best_of: Annotated[StrictInt, Field(ge=1, le=1024)] | None = None
-    logprobs: StrictBool | Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    logprobs: StrictBool | TopK | None = None
+    top_logprobs: TopK | None = None
     echo: StrictBool | None = None
     stream: StrictBool | None = None
 
@@ -102,6 +119,9 @@ class Sample(BaseModel):
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    # Asked with prompt_logprobs: per prompt position (None for the first, which has no context), token id ->
+    # logprob, the prompt token's own first. The same for every sample of one request.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class VLLMPrompt(BaseModel):
@@ -117,7 +137,7 @@ class VLLMGenerateRequest(BaseModel):
     prompt: VLLMPrompt
     n: StrictInt = Field(1, ge=1, le=1024)
     max_tokens: StrictInt = Field(16, ge=1, le=MAX_TOKEN_ID)
-    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = 0
+    logprobs: TopK | None = 0
 
     def to_sampling(self) -> SamplingRequest:
         extra = dict(self.model_extra or {})
@@ -148,12 +168,20 @@ class SGLangGenerateRequest(BaseModel):
 
 
 def vllm_generate_response(samples: list[Sample], version: int) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "logprobs": [[[{str(t): lp}] for t, lp in zip(s.token_ids, s.logprobs)] for s in samples],
         "finish_reasons": [s.finish_reason for s in samples],
         "token_ids": [s.token_ids for s in samples],
         "policy_version": version,
     }
+    if samples and samples[0].prompt_logprobs is not None:
+        # One flat list (the prompt is shared by the n samples). atroposlib also reads [sequence][position], and
+        # tells the two apart by whether the first entry is a list: ours is None or a dict, never a list.
+        body["prompt_logprobs"] = [
+            None if pos is None else {str(t): lp for t, lp in pos.items()}
+            for pos in samples[0].prompt_logprobs
+        ]
+    return body
 
 
 def sglang_generate_response(
@@ -249,3 +277,10 @@ class PolicyStatus(BaseModel):
     backend_url: str | None = None
     backend_pid: int | None = None
     backend_pids: list[int | None] = Field(default_factory=list)
+    # Generation requests (/generate, /v1/completions, /v1/chat/completions) since the gateway started, and those
+    # answered >= 400, by reason (inference.errors.Reason: "invalid_request", "prompt_too_long", "not_ready", ...).
+    # Defaults: a client parses a gateway that predates them.
+    requests_total: int = 0
+    rejected_total: int = 0
+    rejected_by_reason: dict[str, int] = Field(default_factory=dict)
+    last_rejection: str | None = None  # "<UTC time> <route> <status> <reason>: <message, 300 chars at most>"

@@ -14,6 +14,7 @@ import pytest
 from inference.adapters import check_path, read_config
 from inference.app import create_app
 from inference.config import GatewayConfig, GatewayConfigError, load_gateway_config
+from inference.lanes import SoloLane
 from inference.policy import ABANDONED, Policy, PolicyRegistry, VersionLedger
 from inference.vllm_backend import (
     BackendError,
@@ -608,3 +609,22 @@ async def test_a_temporary_failure_carries_retry_after():
     async with client:
         r = await client.post("/generate", json={"prompt": {"prompt_token_ids": [1]}})
         assert r.status_code == 503 and r.headers["retry-after"] == "10"
+
+
+async def test_a_prompt_logprob_request_runs_alone():
+    """inference/lanes.py: a solo request waits for in-flight ones, and holds new ones until it is done."""
+    lane, events = SoloLane(), []
+
+    async def request(name: str, solo: bool, hold_s: float) -> None:
+        async with lane.enter(solo):
+            events.append(f"{name}+")
+            await asyncio.sleep(hold_s)
+            events.append(f"{name}-")
+
+    first = asyncio.create_task(request("a", False, 0.05))
+    await asyncio.sleep(0.01)
+    solo = asyncio.create_task(request("p", True, 0.05))
+    await asyncio.sleep(0.01)
+    later = asyncio.create_task(request("b", False, 0.01))
+    await asyncio.gather(first, solo, later)
+    assert events == ["a+", "a-", "p+", "p-", "b+", "b-"]

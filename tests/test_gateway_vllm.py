@@ -332,6 +332,119 @@ def test_bad_inputs_get_4xx_and_the_gateway_keeps_serving(gateway, adapters):
     assert ok.status_code == 200 and ok.headers["x-policy-version"] == str(current)
 
 
+async def managed_logprobs(url: str, model_path: Path, **kwargs) -> dict:
+    """atroposlib's own prompt-logprob path: ManagedServer.get_logprobs -> VLLMServer._get_logprobs_wrapper."""
+    from atroposlib.envs.server_handling.managed_server import ManagedServer
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from atroposlib.envs.server_handling.vllm_server import VLLMServer
+
+    cfg = APIServerConfig(
+        model_name=str(model_path),
+        tokenizer_name=str(model_path),
+        base_url=f"{url}/v1",
+        api_key="x",
+        server_type="vllm",
+        timeout=120,
+    )
+    server = VLLMServer(cfg)
+    try:
+        return await ManagedServer(server, tokenizer=server.tokenizer).get_logprobs(**kwargs)
+    finally:
+        if server.check_task is not None:
+            server.check_task.cancel()
+
+
+def reference_logprobs(tiny_model_path: Path, adapter: str | None, seq: list[int]) -> torch.Tensor:
+    """transformers(+peft) fp32 log-distribution of token t+1 given tokens[: t+1], [len(seq) - 1, vocab]."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([seq])).logits[0, :-1].double(), -1)
+
+
+@pytest.mark.parametrize("form", ["text", "token_ids"])
+def test_atropos_get_logprobs_are_the_current_policys_prompt_logprobs(
+    gateway, adapters, tiny_model_path, tokenizer, form
+):
+    url, client, _, _ = gateway
+    version = publish_next(client, adapters[2])
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer.encode(prompt)  # what VLLMServer sends for a text prompt
+    top_k = 3
+    request = {"prompt": prompt} if form == "text" else {"input_ids": ids}
+    payload = asyncio.run(managed_logprobs(url, tiny_model_path, top_k=top_k, **request))
+    topk_ids, topk_lps = payload["prompt_topk_token_ids"], payload["prompt_topk_logprobs"]
+    assert payload["prompt_tokens"] == ids and len(topk_ids) == len(topk_lps) == len(ids)
+    assert topk_ids[0] == [] and topk_lps[0] == []  # the first token has no context
+    ref = reference_logprobs(tiny_model_path, adapters[2], ids)
+    diffs = []
+    for pos in range(1, len(ids)):
+        assert topk_ids[pos][0] == ids[pos], "the prompt token's own logprob comes first"
+        assert len(topk_ids[pos]) in (top_k, top_k + 1)
+        diffs += [abs(lp - float(ref[pos - 1, t])) for t, lp in zip(topk_ids[pos], topk_lps[pos])]
+        # The rest are the top k: compared by value, so near-ties in a random model cannot reorder them.
+        best = ref[pos - 1].topk(top_k).values.tolist()
+        served_best = sorted(topk_lps[pos][1:] + topk_lps[pos][:1], reverse=True)[:top_k]
+        assert max(abs(a - b) for a, b in zip(served_best, best)) < 1e-3
+    assert sum(diffs) / len(diffs) <= 1e-4, f"mean {sum(diffs) / len(diffs)}, max {max(diffs)}"
+    base = reference_logprobs(tiny_model_path, None, ids)
+    own = [topk_lps[pos][0] for pos in range(1, len(ids))]
+    base_diffs = [abs(lp - float(base[pos - 1, ids[pos]])) for pos, lp in enumerate(own, start=1)]
+    assert sum(base_diffs) / len(base_diffs) > 1e-2, (
+        "the prompt logprobs are the base model's, not the policy's"
+    )
+    # The same body on the wire carries the version metadata every /generate answer carries.
+    body = {"prompt": {"prompt_token_ids": ids}, "prompt_logprobs": top_k, "n": 1, "temperature": 0.0}
+    r = httpx.post(f"{url}/generate", json={**body, "top_p": 1.0, "max_tokens": 1}, timeout=60)
+    assert r.headers["x-policy-version"] == str(version) and r.json()["policy_version"] == version
+    assert r.json()["prompt_logprobs"][0] is None and len(r.json()["prompt_logprobs"]) == len(ids)
+
+
+def test_integer_stop_entries_stop_generation_on_vllm(gateway):
+    url, _, _, _ = gateway
+    prompt_ids = [5, 6, 7]
+    greedy = {"prompt": {"prompt_token_ids": prompt_ids}, "n": 1, "max_tokens": 6, "temperature": 0.0}
+    tokens = httpx.post(f"{url}/generate", json=greedy, timeout=60).json()["token_ids"][0]
+    k = next((i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i]), 0)
+    r = httpx.post(f"{url}/generate", json={**greedy, "stop": ["never-in-output", tokens[k]]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["token_ids"] == [tokens[: k + 1]] and r.json()["finish_reasons"] == ["stop"]
+    openai = {"model": "any", "prompt": prompt_ids, "max_tokens": 6, "temperature": 0.0, "stop": tokens[k]}
+    r = httpx.post(f"{url}/v1/completions", json=openai, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == tokens[: k + 1] and choice["finish_reason"] == "stop"
+    r = httpx.post(f"{url}/generate", json={**greedy, "stop": [tokens[k], 1.5]}, timeout=60)
+    assert r.status_code == 400 and "stop[1]" in r.json()["error"]["message"]
+
+
+def test_vllm_refusals_are_counted_by_reason(gateway):
+    url, client, _, _ = gateway
+    before = client.status()
+    greedy_n2 = {"prompt": {"prompt_token_ids": [5]}, "n": 2, "max_tokens": 2, "temperature": 0.0}
+    r = httpx.post(f"{url}/generate", json=greedy_n2, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "backend_rejected", r.text
+    long_chat = {"model": "any", "messages": [{"role": "user", "content": "hello " * 2000}], "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/chat/completions", json=long_chat, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "prompt_too_long", r.text
+    after = client.status()
+    assert after.requests_total == before.requests_total + 2
+    assert after.rejected_total == before.rejected_total + 2
+    for reason in ("backend_rejected", "prompt_too_long"):
+        assert after.rejected_by_reason[reason] == before.rejected_by_reason.get(reason, 0) + 1
+    assert (
+        after.last_rejection is not None
+        and "/v1/chat/completions 400 prompt_too_long" in after.last_rejection
+    )
+
+
 def test_sigterm_of_gateway_stops_vllm(tmp_path):
     """Stop a gateway of its own as launch.sh would and check that no vLLM process of it survives."""
     with spawn_gateway(str(ROOT / "configs" / "tiny_cpu.yaml"), [], tmp_path / "logs", timeout_s=300) as (

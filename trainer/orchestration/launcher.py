@@ -115,7 +115,7 @@ def preflight(cfg: RunConfig) -> str:
         problems.append(str(exc))
     if tinker and not cfg.tinker.client_factory:
         problems += check_tinker()
-    if not problems:  # the environment's check loads the tokenizer: only worth it once the model is there
+    if not problems or not cfg.rollout.env.endswith(".py"):  # an env file's check needs the model's tokenizer
         problems += check_environment(cfg, model_path)
     if problems:
         raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))

@@ -44,9 +44,9 @@ class Report:
 
     def emit(self) -> int:
         for note in self.notes:
-            print(f"note: {note}", flush=True)
-        for problem in self.problems:
-            print(f"preflight: {problem}", file=sys.stderr, flush=True)
+            print(f"note: {' '.join(note.split())}", flush=True)
+        for problem in self.problems:  # one line each: the launcher reads them line by line
+            print(f"preflight: {' '.join(problem.split())}", file=sys.stderr, flush=True)
         return 2 if self.problems else 0
 
 
@@ -180,7 +180,7 @@ async def probe_prompts(cls: type[Any], config: Any, report: Report, budget_s: f
 
 
 def setup_failure(cls: type[Any], exc: Exception) -> str:
-    text = f"{cls.__name__}.setup() failed: {type(exc).__name__}: {str(exc)[:500]}"
+    text = f"{cls.__name__}.setup() failed: {type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
     offline = any(
         s in str(exc).lower() for s in ("offline", "couldn't reach", "connection", "resolve", "network")
     )

@@ -47,7 +47,7 @@ def test_preflight_refuses_a_prompt_that_cannot_fit_and_an_undeclared_flag(tmp_p
         launch_file("tokenized_chat", tmp_path / "long", "rollout.env_args.system_words=300"), 180
     )
     assert rc == 2, out
-    assert "prompts are up to" in out and "rollout.max_token_length=256 leaves no room" in out, out
+    assert "prompts are up to" in out and "trainer.max_seq_len=256 leaves no room" in out, out
     assert not (tmp_path / "long" / "metrics.jsonl").exists() and elapsed_s < 120  # no vLLM was started
     rc, out, _ = run_launch(
         launch_file("tokenized_chat", tmp_path / "flag", "rollout.env_args.sytem_words=3"), 180
@@ -57,9 +57,12 @@ def test_preflight_refuses_a_prompt_that_cannot_fit_and_an_undeclared_flag(tmp_p
 
 def test_tokenize_for_trainer_env_with_a_single_server_config_trains(tmp_path):
     """No seed field, a bare APIServerConfig, integer stop ids, tokenize_for_trainer (no sampler logprobs,
-    re-tokenized chats unknown to the ledger), sequences longer than trainer.max_seq_len."""
+    re-tokenized chats unknown to the ledger), replies cut at max_tokens, and chats longer than the environment's
+    max_token_length (which atroposlib drops whole groups for when run-api's limit is the same) and than
+    trainer.max_seq_len (trained up to it)."""
     run_dir = tmp_path / "run"
-    rc, out, _ = run_launch(launch_file("tokenized_chat", run_dir, "trainer.max_seq_len=64"), 900)
+    limits = ["rollout.max_token_length=64", "trainer.max_seq_len=64"]
+    rc, out, _ = run_launch(launch_file("tokenized_chat", run_dir, *limits), 900)
     assert rc == 0, out
     assert "--env.seed is not passed" in out and "sends all its requests to the gateway" in out
     rows = assert_trained_without_drops(run_dir)

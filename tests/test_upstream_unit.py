@@ -16,7 +16,7 @@ from environments.upstream.envfile import (
     main_class_name,
     split_flags,
 )
-from environments.upstream.probe import Limits, Report, check_prompts
+from environments.upstream.probe import Limits, Report, Seen, check_prompts
 
 GATEWAY = {
     "openai.base_url": "http://127.0.0.1:7/v1",
@@ -74,13 +74,20 @@ def test_every_declared_server_shape_becomes_one_gateway_server(declared):
     assert configs[0].server_type == "vllm" and configs[0].timeout == 77  # the declared limits are kept
 
 
-def test_prompt_check_names_the_tightest_limit():
-    report = Report()
-    check_prompts([30, 300], Limits({"rollout.max_token_length": 256, "trainer.max_seq_len": 512}), report)
-    assert len(report.problems) == 1 and "up to 300 tokens" in report.problems[0]
-    assert "rollout.max_token_length=256 leaves no room" in report.problems[0]
+def test_prompt_check_names_the_limit_that_leaves_no_room():
+    limits = {"rollout.max_token_length": 256, "trainer.max_seq_len": 512}
+    skipped = Report()  # prompts rendered, no request sent: the environment skipped them
+    check_prompts(Seen([30, 300], requests=0), Limits(limits), skipped)
+    assert len(skipped.problems) == 1 and "up to 300 tokens" in skipped.problems[0]
+    assert "rollout.max_token_length=256 leaves no room" in skipped.problems[0]
+    sent = Report()  # an environment that uses max_token_length as the completion budget sends them anyway
+    check_prompts(Seen([30, 300], requests=2), Limits(limits), sent)
+    assert not sent.problems and "still sends them" in sent.notes[-1]
+    trainer = Report()  # past the trainer's limit nothing is left to train, sent or not
+    check_prompts(Seen([600], requests=2), Limits(limits), trainer)
+    assert "trainer.max_seq_len=512 leaves no room" in trainer.problems[0]
     fine = Report()
-    check_prompts([30], Limits({"rollout.max_token_length": 256}), fine)
+    check_prompts(Seen([30], requests=1), Limits(limits), fine)
     assert not fine.problems and "up to 30 tokens" in fine.notes[0]
 
 

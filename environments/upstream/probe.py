@@ -123,9 +123,9 @@ async def stand_in_server(tokenizer: Any, seen: Seen) -> tuple[Any, str]:
     return runner, f"http://127.0.0.1:{port}/v1"
 
 
-async def probe_prompts(cls: type[Any], config: Any, report: Report, budget_s: float) -> list[int]:
-    """Run setup() and up to PROBE_ITEMS items' collect_trajectories against the stand-in server; the prompt
-    lengths seen, in tokens."""
+async def probe_prompts(cls: type[Any], config: Any, report: Report, budget_s: float) -> Seen:
+    """Run setup() and up to PROBE_ITEMS items' collect_trajectories against the stand-in server: the prompt
+    lengths seen, in tokens, and how many requests reached it."""
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
 
     seen = Seen()
@@ -150,10 +150,10 @@ async def probe_prompts(cls: type[Any], config: Any, report: Report, budget_s: f
             await asyncio.wait_for(env.setup(), timeout=max(1.0, deadline - time.monotonic()))
         except TimeoutError:
             report.notes.append(f"setup() did not finish within {budget_s:.0f} s: prompt lengths not checked")
-            return seen.prompt_tokens
+            return seen
         except Exception as exc:
             report.problems.append(setup_failure(cls, exc))
-            return seen.prompt_tokens
+            return seen
         for _ in range(PROBE_ITEMS):
             if time.monotonic() > deadline:
                 break
@@ -174,7 +174,7 @@ async def probe_prompts(cls: type[Any], config: Any, report: Report, budget_s: f
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-        return seen.prompt_tokens
+        return seen
     finally:
         await runner.cleanup()
 
@@ -196,22 +196,38 @@ def setup_failure(cls: type[Any], exc: Exception) -> str:
     return text
 
 
-def check_prompts(lengths: list[int], limits: Limits, report: Report) -> None:
+ENV_LIMIT = "rollout.max_token_length"
+
+
+def check_prompts(seen: Seen, limits: Limits, report: Report) -> None:
+    """A prompt at or past the trainer's or vLLM's limit leaves no trained token; one past the environment's own
+    max_token_length is fatal only where the environment then skips the item (no request reached the stand-in):
+    others use the value as a completion budget and send the prompt anyway."""
+    lengths = seen.prompt_tokens
     if not lengths:
         report.notes.append("no prompt was seen while probing the first items: prompt lengths not checked")
         return
     longest = max(lengths)
-    key, limit = limits.tightest()
-    if longest >= limit:
+    binding = {k: v for k, v in limits.by_key.items() if k != ENV_LIMIT or not seen.requests}
+    over = {k: v for k, v in binding.items() if longest >= v}
+    if over:
+        key, limit = min(over.items(), key=lambda kv: kv[1])
         others = ", ".join(f"{k}={v}" for k, v in limits.by_key.items())
+        skipped = " and the environment sent no request for them" if key == ENV_LIMIT else ""
         report.problems.append(
             f"the environment's prompts are up to {longest} tokens (measured on {len(lengths)} prompt(s) of its "
-            f"first items) and {key}={limit} leaves no room for a completion (limits: {others}); every item "
-            f"would be skipped or truncated. Raise {key} (and the other limits) above {longest} plus the "
-            "completion budget, or shorten the environment's prompt"
+            f"first items){skipped}: {key}={limit} leaves no room for a completion (limits: {others}); every "
+            f"item would be skipped or left without a trained token. Raise {', '.join(sorted(over))} above "
+            f"{longest} plus the completion budget, or shorten the environment's prompt"
         )
-    else:
-        report.notes.append(f"prompts measured: up to {longest} tokens; tightest limit {key}={limit}")
+        return
+    key, limit = limits.tightest()
+    report.notes.append(f"prompts measured: up to {longest} tokens; tightest limit {key}={limit}")
+    if ENV_LIMIT in limits.by_key and longest >= limits.by_key[ENV_LIMIT]:
+        report.notes.append(
+            f"prompts are longer than {ENV_LIMIT}={limits.by_key[ENV_LIMIT]}, but the environment still sends "
+            "them (it uses the value as a completion budget)"
+        )
 
 
 def preflight(path: Path, argv: Sequence[str]) -> int:
@@ -255,7 +271,7 @@ def preflight(path: Path, argv: Sequence[str]) -> int:
     ):
         if flags.options.get(option):
             limits.by_key[key] = int(flags.options[option])
-    lengths = asyncio.run(probe_prompts(cls, config, report, PROBE_BUDGET_S))
+    seen = asyncio.run(probe_prompts(cls, config, report, PROBE_BUDGET_S))
     if not report.problems:
-        check_prompts(lengths, limits, report)
+        check_prompts(seen, limits, report)
     return report.emit()

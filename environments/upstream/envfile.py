@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib.util
+import importlib
 import logging
 import sys
 from collections.abc import Iterator, Sequence
@@ -59,26 +59,40 @@ def main_class_name(source: str) -> str | None:
     return None
 
 
+def module_name_for(path: Path) -> tuple[str, Path]:
+    """The dotted name the file imports under, and the folder to put on sys.path: inside a package (folders with
+    __init__.py) the file is imported as part of it, so its relative imports work; otherwise under its own name, its
+    folder first on sys.path, as `python FILE` would."""
+    parts, folder = [path.stem], path.parent.resolve()
+    while (folder / "__init__.py").is_file():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return ".".join(parts), folder
+
+
 def load_env_class(path: Path) -> type[Any]:
-    """Import the file as a module of its own name (its folder first on sys.path, as `python FILE` would) and
-    return the environment class it runs."""
+    """Import the file and return the environment class it runs."""
     from atroposlib.envs.base import BaseEnv
 
     if not path.is_file():
         raise EnvFileError(f"rollout.env={str(path)!r}: no such file")
     source = path.read_text()
-    sys.path.insert(0, str(path.parent.resolve()))
-    name = path.stem if path.stem not in sys.modules else f"_atropos_env_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # pydantic resolves annotations through sys.modules
+    name, root = module_name_for(path)
+    taken = sys.modules.get(name.split(".")[0])
+    if taken is not None and not str(getattr(taken, "__file__", "") or "").startswith(str(root)):
+        raise EnvFileError(
+            f"{path} would import as {name!r}, a name this process already uses ({taken.__name__}); rename the "
+            "file or its package folder"
+        )
+    sys.path.insert(0, str(root))
+    if name != path.stem:
+        sys.path.insert(0, str(path.parent.resolve()))  # sibling imports by bare name still work
     try:
-        spec.loader.exec_module(module)
+        module = importlib.import_module(name)
     except ModuleNotFoundError as exc:
         raise EnvFileError(
             f"{path.name} imports {exc.name!r}, which is not installed in this environment: install the package "
-            f"that provides it (e.g. `.venv/bin/pip install {str(exc.name).split('.')[0].replace('_', '-')}`)"
+            "that provides it into .venv (the environment's README or requirements name it)"
         ) from exc
     except Exception as exc:
         raise EnvFileError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
@@ -129,6 +143,33 @@ def split_flags(argv: Sequence[str], fields: set[str]) -> Flags:
         else:
             out.kept.append(arg)
     return out
+
+
+def drop_refused(cls: type[Any], flags: Flags) -> list[str]:
+    """Launcher-derived --env.* values the config class refuses (answer_format's `seed` must be >= 1; the
+    launcher derives 0) are not passed, so the environment keeps its own default; a refused value the user set
+    stays, for atroposlib to report. Returns one note per flag left out."""
+    from pydantic import ValidationError
+
+    env_config, _ = cls.config_init()
+    user = set(filter(None, flags.options.get("user-keys", "").split(",")))
+    notes: list[str] = []
+    while True:
+        values = {**env_config.model_dump(), **flag_values(flags.kept, ENV_PREFIX)}
+        try:
+            type(env_config).model_validate(values)
+            return notes
+        except ValidationError as exc:
+            refused = {str(e["loc"][0]): e["msg"] for e in exc.errors() if e["loc"]}
+        derived = [k for k in refused if k not in user and f"--{ENV_PREFIX}{k}=" in " ".join(flags.kept)]
+        if not derived:
+            return notes
+        for key in derived:
+            flags.kept = [a for a in flags.kept if not a.startswith(f"--{ENV_PREFIX}{key}=")]
+            notes.append(
+                f"--env.{key} not passed: {type(env_config).__name__} refuses the launcher's value "
+                f"({refused[key]}); the environment's default {getattr(env_config, key)!r} stays"
+            )
 
 
 def flag_values(argv: Sequence[str], prefix: str) -> dict[str, str]:
@@ -198,6 +239,8 @@ def serve(path: Path, argv: Sequence[str]) -> int:
     flags = split_flags(argv, declared_fields(cls))
     for key in flags.dropped:
         log.info("--env.%s not passed: %s's config class does not declare %r", key, cls.__name__, key)
+    for note in drop_refused(cls, flags):
+        log.info("%s", note)
     sys.argv = [str(path), "serve", *flags.kept]
     with gateway_only():
         cls.cli()

@@ -27,6 +27,7 @@ from environments.upstream.envfile import (
     EnvFileError,
     declared_fields,
     describe_servers,
+    drop_refused,
     flag_values,
     load_env_class,
     split_flags,
@@ -253,6 +254,7 @@ def preflight(path: Path, argv: Sequence[str]) -> int:
     report.notes.append(
         f"{cls.__name__} declares {describe_servers(servers)}: launch.sh sends all its requests to the gateway"
     )
+    report.notes += drop_refused(cls, flags)
     values = {**env_config.model_dump(), **flag_values(flags.kept, ENV_PREFIX)}
     values.update(use_wandb=False, data_path_to_save_groups=None)
     try:

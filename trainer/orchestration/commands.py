@@ -75,11 +75,13 @@ def env_command(cfg: RunConfig, model_path: str, worker: int) -> list[str]:
     }
     for key in r.env_args:  # rollout.env_args wins over what the launcher derives
         flags.pop(f"env.{key}", None)
+    own = [f"--user-keys={','.join(r.env_args)}"] if r.env.endswith(".py") else []  # environments.upstream's
     return [
         *resolve_env_module(r.env),
         "serve",
         *(flag(k, v) for k, v in flags.items()),
         *env_args_flags(cfg),
+        *own,
     ]
 
 
@@ -94,7 +96,7 @@ def env_preflight_command(cfg: RunConfig, model_path: str) -> list[str] | None:
     )  # an unknown environment is a ConfigError naming the known ones
     if cfg.rollout.env.endswith(".py"):
         flags = [a for a in env_command(cfg, model_path, 0)[len(module) + 1 :] if not a.endswith("=None")]
-        limits = [f"--max-seq-len={cfg.trainer.max_seq_len}", f"--user-keys={','.join(cfg.rollout.env_args)}"]
+        limits = [f"--max-seq-len={cfg.trainer.max_seq_len}"]
         max_model_len = (cfg.inference.get("vllm") or {}).get("max_model_len")
         if max_model_len:
             limits.append(f"--max-model-len={max_model_len}")

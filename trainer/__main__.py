@@ -13,6 +13,7 @@ python -m trainer soak --minutes 30 --fault-every 60                 # the toy l
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 import yaml
@@ -65,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)
         try:
-            run(load_config(RunConfig, args.config, args.overrides))
+            finished = run(load_config(RunConfig, args.config, args.overrides))
         except DiskFull as exc:  # a restart would fail the same way: the launcher stops the run instead
             logging.getLogger("trainer").error("%s", exc)
             return EXIT_NEEDS_OPERATOR
-        return 0
+        # Stopped by a SIGTERM before its last step (not from the launcher, which is stopping anyway): exit as
+        # killed by it, so a supervising launcher restarts the trainer instead of reporting the run finished.
+        return 0 if finished else 128 + signal.SIGTERM
     if args.command == "config":
         try:
             cfg = load_config(RunConfig, args.config, args.overrides)

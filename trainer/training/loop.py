@@ -230,23 +230,25 @@ def follow_rank_zero(cfg: RunConfig) -> None:
     follow(LocalBackend(cfg))
 
 
-def run(cfg: RunConfig) -> None:
+def run(cfg: RunConfig) -> bool:
+    """The training loop; True when the run reached rollout.num_steps, False when a SIGTERM stopped it first."""
     run_dir = Path(cfg.trainer.output_dir)
     if cfg.launch.run_api_url is None or cfg.launch.gateway_url is None:
         raise ValueError("launch.run_api_url and launch.gateway_url must be set (launch.sh sets them)")
     if not rank_info().is_main:
         follow_rank_zero(cfg)
-        return
+        return True
     backend = build_training_backend(cfg)
     with full_disk_is_one_error(run_dir):
-        _run_main(cfg, backend, run_dir)
+        finished = _run_main(cfg, backend, run_dir)
     # On an exception rank 0 exits instead; torchrun then stops the other ranks (a stop message could land in the
     # middle of a collective they are waiting in).
     if isinstance(backend, RankZeroBackend):
         backend.close()  # releases the other ranks
+    return finished
 
 
-def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> None:
+def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     assert cfg.launch.run_api_url is not None and cfg.launch.gateway_url is not None
     logs = run_dir / "logs"
     gateway = GatewayClient(
@@ -262,7 +264,7 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> None:
     state = _resume(backend, gateway, run_dir)
     if state.step >= cfg.rollout.num_steps:
         log.info("the run is already at step %d of %d: nothing to do", state.step, cfg.rollout.num_steps)
-        return
+        return True
     warn_if_disk_short(cfg, backend, run_dir, state)
     api.register(state.step)
     metrics = MetricsWriter(run_dir / "metrics.jsonl", cfg.launch.wandb, cfg)
@@ -299,6 +301,7 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> None:
         save_checkpoint(backend, run_dir, state)  # the end of the run, or a stop: nothing to redo on resume
     metrics.close()
     gateway.close()
+    return state.step >= cfg.rollout.num_steps
 
 
 def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -> None:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from environments.common import env_flags
+
 log = logging.getLogger("environments.upstream")
 
 ENV_PREFIX = "env."
@@ -115,11 +117,10 @@ def load_env_class(path: Path) -> type[Any]:
     )
 
 
-def declared_fields(cls: type[Any]) -> set[str]:
-    """The --env.* keys the environment accepts: the fields of the config class its config_init returns (what
-    atroposlib builds its parser from)."""
-    env_config, _ = cls.config_init()
-    return set(type(env_config).model_fields)
+def default_config(cls: type[Any]) -> tuple[Any, Any]:
+    """config_init's (env config, server configs): the config class atroposlib builds its parser from, whose fields
+    are the --env.* keys the environment accepts."""
+    return cls.config_init()
 
 
 @dataclass
@@ -127,6 +128,11 @@ class Flags:
     kept: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # env keys the config class does not declare
     options: dict[str, str] = field(default_factory=dict)  # this module's own options (OWN_OPTIONS)
+
+    @property
+    def user_keys(self) -> set[str]:
+        """The keys the user set in rollout.env_args (the launcher derives the others)."""
+        return {k for k in self.options.get("user-keys", "").split(",") if k}
 
 
 OWN_OPTIONS = ("user-keys", "max-seq-len", "max-model-len")
@@ -145,23 +151,23 @@ def split_flags(argv: Sequence[str], fields: set[str]) -> Flags:
     return out
 
 
-def drop_refused(cls: type[Any], flags: Flags) -> list[str]:
+def drop_refused(env_config: Any, flags: Flags) -> list[str]:
     """Launcher-derived --env.* values the config class refuses (answer_format's `seed` must be >= 1; the
     launcher derives 0) are not passed, so the environment keeps its own default; a refused value the user set
     stays, for atroposlib to report. Returns one note per flag left out."""
     from pydantic import ValidationError
 
-    env_config, _ = cls.config_init()
-    user = set(filter(None, flags.options.get("user-keys", "").split(",")))
     notes: list[str] = []
     while True:
-        values = {**env_config.model_dump(), **flag_values(flags.kept, ENV_PREFIX)}
+        values = {**env_config.model_dump(), **env_flags(flags.kept)}
         try:
             type(env_config).model_validate(values)
             return notes
         except ValidationError as exc:
             refused = {str(e["loc"][0]): e["msg"] for e in exc.errors() if e["loc"]}
-        derived = [k for k in refused if k not in user and f"--{ENV_PREFIX}{k}=" in " ".join(flags.kept)]
+        derived = [
+            k for k in refused if k not in flags.user_keys and f"--{ENV_PREFIX}{k}=" in " ".join(flags.kept)
+        ]
         if not derived:
             return notes
         for key in derived:
@@ -170,15 +176,6 @@ def drop_refused(cls: type[Any], flags: Flags) -> list[str]:
                 f"--env.{key} not passed: {type(env_config).__name__} refuses the launcher's value "
                 f"({refused[key]}); the environment's default {getattr(env_config, key)!r} stays"
             )
-
-
-def flag_values(argv: Sequence[str], prefix: str) -> dict[str, str]:
-    values = {}
-    for arg in argv:
-        key, sep, value = arg.removeprefix("--").partition("=")
-        if sep and key.startswith(prefix):
-            values[key.removeprefix(prefix)] = value
-    return values
 
 
 def declared_servers(default: Any) -> list[Any]:
@@ -236,10 +233,11 @@ def gateway_only() -> Iterator[None]:
 
 def serve(path: Path, argv: Sequence[str]) -> int:
     cls = load_env_class(path)
-    flags = split_flags(argv, declared_fields(cls))
+    env_config, _ = default_config(cls)
+    flags = split_flags(argv, set(type(env_config).model_fields))
     for key in flags.dropped:
         log.info("--env.%s not passed: %s's config class does not declare %r", key, cls.__name__, key)
-    for note in drop_refused(cls, flags):
+    for note in drop_refused(env_config, flags):
         log.info("%s", note)
     sys.argv = [str(path), "serve", *flags.kept]
     with gateway_only():

@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from environments.common import env_flags
 from environments.upstream.envfile import (
-    ENV_PREFIX,
     EnvFileError,
-    declared_fields,
+    default_config,
     describe_servers,
     drop_refused,
-    flag_values,
     load_env_class,
     split_flags,
 )
@@ -236,15 +235,14 @@ def preflight(path: Path, argv: Sequence[str]) -> int:
     report = Report()
     try:
         cls = load_env_class(path)
-        fields = declared_fields(cls)
+        env_config, servers = default_config(cls)
     except EnvFileError as exc:
         report.problems.append(str(exc))
         return report.emit()
+    fields = set(type(env_config).model_fields)
     flags = split_flags(argv, fields)
-    user_keys = {k for k in flags.options.get("user-keys", "").split(",") if k}
-    env_config, servers = cls.config_init()
     for key in flags.dropped:
-        if key in user_keys:
+        if key in flags.user_keys:
             report.problems.append(
                 f"rollout.env_args.{key}: {cls.__name__}'s config class {type(env_config).__name__} has no "
                 f"field {key!r}; remove it or use one of: {', '.join(sorted(fields))}"
@@ -254,8 +252,8 @@ def preflight(path: Path, argv: Sequence[str]) -> int:
     report.notes.append(
         f"{cls.__name__} declares {describe_servers(servers)}: launch.sh sends all its requests to the gateway"
     )
-    report.notes += drop_refused(cls, flags)
-    values = {**env_config.model_dump(), **flag_values(flags.kept, ENV_PREFIX)}
+    report.notes += drop_refused(env_config, flags)
+    values = {**env_config.model_dump(), **env_flags(flags.kept)}
     values.update(use_wandb=False, data_path_to_save_groups=None)
     try:
         config = type(env_config)(**values)

@@ -119,19 +119,18 @@ async def stand_in_server(tokenizer: Any, seen: Seen) -> tuple[Any, str]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}/v1"
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
 
 
 async def probe_prompts(cls: type[Any], config: Any, report: Report, budget_s: float) -> Seen:
     """Run setup() and up to PROBE_ITEMS items' collect_trajectories against the stand-in server: the prompt
     lengths seen, in tokens, and how many requests reached it."""
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from transformers import AutoTokenizer
 
     seen = Seen()
     deadline = time.monotonic() + budget_s
-    from transformers import AutoTokenizer
-
+    # A tokenizer of its own: the environment's records every render it makes (record_chat_prompts).
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name)
     runner, url = await stand_in_server(tokenizer, seen)
     try:

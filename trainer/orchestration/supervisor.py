@@ -90,6 +90,7 @@ class Supervisor:
         self.next_probe = 0.0
         self.progress_at = time.monotonic()  # the last new metrics row (or the start)
         self.progress_seen = Snapshot()  # the components' counts then
+        self.latest = Snapshot()  # their counts at the last probe
         self.next_idle_warning = 0.0
         token = cfg.inference.get("publish_token")
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
@@ -216,14 +217,17 @@ class Supervisor:
     # --- observing ------------------------------------------------------------------------------------------
 
     def probe(self) -> None:
-        """Remember run-api's queue (lost if it dies) and count vLLM restarts the gateway made."""
+        """Remember run-api's queue (lost if it dies), count vLLM restarts the gateway made, and keep both answers
+        for the idle-run line."""
         self.next_probe = time.monotonic() + PROBE_EVERY_S
+        status = policy = None
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
             status = httpx.get(f"{self.cfg.launch.run_api_url}/status", timeout=5).json()
             self.queued = int(status["queue_size"])
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
             url = f"{self.cfg.launch.gateway_url}/policy"
-            restarts = int(httpx.get(url, timeout=5, headers=self.auth).json()["restarts"])
+            policy = httpx.get(url, timeout=5, headers=self.auth).json()
+            restarts = int(policy["restarts"])
             if restarts > self.vllm_restarts:
                 self.faults["restarts_vllm"] += restarts - self.vllm_restarts
                 print(
@@ -234,6 +238,7 @@ class Supervisor:
                 self.write_faults()
                 self.write_pids()
             self.vllm_restarts = restarts
+        self.latest = Snapshot.read(policy, status)
 
     def write_faults(self) -> None:
         write_atomic(self.run_dir / FAULTS_FILE, json.dumps(self.faults))
@@ -257,18 +262,10 @@ class Supervisor:
         for line in rows[self.rows_seen :]:
             with contextlib.suppress(ValueError, KeyError):
                 print(progress_line(json.loads(line), self.cfg.rollout.num_steps), flush=True)
-        if len(rows) > self.rows_seen and self.cfg.launch.idle_warn_s:
+        if len(rows) > self.rows_seen:
             self.progress_at = time.monotonic()
-            self.progress_seen = self.snapshot()
+            self.progress_seen = self.latest  # the last probe's counts: at most PROBE_EVERY_S old
         self.rows_seen = len(rows)
-
-    def snapshot(self) -> Snapshot:
-        gateway = run_api = None
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            gateway = httpx.get(f"{self.cfg.launch.gateway_url}/policy", timeout=2, headers=self.auth).json()
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            run_api = httpx.get(f"{self.cfg.launch.run_api_url}/status", timeout=2).json()
-        return Snapshot.read(gateway, run_api)
 
     def warn_if_idle(self) -> None:
         """Every launch.idle_warn_s without a step: one line naming the likeliest cause."""
@@ -282,7 +279,7 @@ class Supervisor:
             explain_idle(
                 now - self.progress_at,
                 self.progress_seen,
-                self.snapshot(),
+                self.latest,
                 self.cfg.rollout.batch_size,
                 tail,
                 str(env_log),

@@ -25,15 +25,20 @@ from pydantic import ValidationError
 from inference.accounting import LogLimiter, RequestAccounting, RequestStats
 from inference.config import GatewayConfig
 from inference.errors import BackendError, Reason, default_reason
+from inference.gate import Gate
 from inference.guard import BodyGuard
 from inference.intake import json_object, move_stop_ids, parse_generate, validation_message
 from inference.lanes import SoloLane
 from inference.policy import Policy, PolicyRegistry, VersionLedger
+from inference.probe_check import ProbeCheck, compare_probe
 from inference.wire import (
+    ExpectRequest,
+    ExpectResponse,
     LookupRequest,
     LookupResponse,
     OpenAIBodyLimits,
     PolicyStatus,
+    PublishProbe,
     PublishRequest,
     PublishResponse,
     Sample,
@@ -70,9 +75,11 @@ class SamplingBackend(Protocol):
     async def unload_adapter(self, policy: Policy) -> None: ...
 
 
-def error(status: int, message: str, reason: Reason | None = None) -> JSONResponse:
+def error(
+    status: int, message: str, reason: Reason | None = None, detail: dict[str, Any] | None = None
+) -> JSONResponse:
     """OpenAI's error shape; `type` is the reason key the request accounting counts (inference.errors.Reason)."""
-    body = {"message": message, "type": reason or default_reason(status), "code": status}
+    body = {"message": message, "type": reason or default_reason(status), "code": status, **(detail or {})}
     return JSONResponse({"error": body}, status_code=status)
 
 
@@ -113,6 +120,9 @@ class Gateway:
         self.publish_lock = asyncio.Lock()
         self.cleanup_lock = asyncio.Lock()
         self.lane = SoloLane()  # prompt-logprob requests run alone in vLLM (inference/lanes.py)
+        self.gate = (
+            Gate()
+        )  # holds new requests while the trainer publishes the next version (inference/gate.py)
         self.stats = RequestStats()
         self.stop_notices = LogLimiter(burst=1, window_s=60.0)  # one INFO line per route and minute
 
@@ -161,6 +171,8 @@ class Gateway:
         runs it alone in the engine (inference/lanes.py)."""
         if not self.backend.ready and self.backend.state in ("failed", "stopped"):
             raise BackendError(503, f"sampling backend is {self.backend.state}")
+        if self.gate.waiting_for is not None:
+            await (self.gate.wait() if request is None else until_disconnect(request, self.gate.wait()))
         async with self.lane.enter(solo):
             return await self._run_on_current(coro_fn, request)
 
@@ -192,12 +204,15 @@ class Gateway:
 
     async def publish(self, req: PublishRequest) -> PublishResponse:
         """Make req.version current: a newer version (loaded first), the current one again (a retried publish:
-        nothing happens), or with replace_newer an older one (a rollback: every newer version is retracted)."""
+        nothing happens), or with replace_newer an older one (a rollback: every newer version is retracted). With
+        a probe, the loaded adapter must reproduce the trainer's logprobs before it serves anything (422 if not).
+        Opens the on-policy gate when the version it waits for (or any rollback) becomes current."""
         path = resolved_path(req.adapter_path)
         async with self.publish_lock:
             policy, needs_load = self._publish_target(req, path)
             if policy == self.registry.current:
                 log.info("version %d is current already with %s: nothing to do", req.version, path)
+                self._open_gate_if_due(req)
                 return PublishResponse(
                     version=req.version, lora_name=policy.model_name, load_s=0.0, unloaded=[], noop=True
                 )
@@ -206,16 +221,22 @@ class Gateway:
                 assert req.adapter_path is not None  # only version 0 has none, and it is never loaded
                 self.backend.validate_adapter(req.adapter_path)
                 await self.backend.load_adapter(policy)
+            check, verify_s = (
+                (None, None) if req.probe is None else await self._verify(policy, req.probe, needs_load)
+            )
             retracted = self.registry.make_current(policy)
             load_s = time.perf_counter() - started
+            spell = self._open_gate_if_due(req)
         unloaded = await self.unload_stale()
         log.info(
-            "published version %d as %s in %.3fs (retracted %s, unloaded %s)",
+            "published version %d as %s in %.3fs (retracted %s, unloaded %s%s%s)",
             req.version,
             policy.model_name,
             load_s,
             [p.version for p in retracted],
             unloaded,
+            "" if check is None else f"; verified: {check.describe()}",
+            "" if spell is None else f"; held {spell.held_requests} request(s) for {spell.closed_s:.3f}s",
         )
         return PublishResponse(
             version=req.version,
@@ -223,6 +244,56 @@ class Gateway:
             load_s=load_s,
             unloaded=unloaded,
             retracted=[p.version for p in retracted],
+            hold_s=0.0 if spell is None else spell.closed_s,
+            held_requests=0 if spell is None else spell.held_requests,
+            verify_max_abs_diff=None if check is None else check.max_abs_diff,
+            verify_s=verify_s,
+        )
+
+    def _open_gate_if_due(self, req: PublishRequest) -> Any:
+        waiting_for = self.gate.waiting_for
+        if waiting_for is not None and (req.replace_newer or waiting_for <= self.registry.current.version):
+            return self.gate.open()
+        return None
+
+    async def _verify(
+        self, policy: Policy, probe: PublishProbe, loaded_now: bool
+    ) -> tuple[ProbeCheck, float]:
+        """Greedy-decode the probe on `policy` (not yet serving) and compare with the trainer's logprobs; on a
+        mismatch the adapter is unloaded again and the publish refused with the numbers."""
+        started = time.perf_counter()
+        req = SamplingRequest(
+            prompt_token_ids=probe.prompt_token_ids,
+            max_tokens=len(probe.token_ids),
+            sampling={"temperature": 0.0, "ignore_eos": True},
+        )
+        async with self.lane.enter(False):
+            samples = await self.backend.sample(req, policy)
+        served = samples[0] if samples else Sample(token_ids=[], logprobs=[], finish_reason="abort")
+        check = compare_probe(
+            probe.token_ids, probe.logprobs, served.token_ids, served.logprobs, probe.tolerance
+        )
+        if check.passed:
+            return check, time.perf_counter() - started
+        log.error(
+            "publish of version %d refused: the loaded adapter %s does not give the trainer's logprobs (%s)",
+            policy.version,
+            policy.adapter_path,
+            check.describe(),
+        )
+        if loaded_now:
+            with contextlib.suppress(BackendError):
+                await self.backend.unload_adapter(policy)
+        raise BackendError(
+            422,
+            f"publish verification failed for version {policy.version} ({policy.adapter_path}): "
+            f"{check.describe()}. The adapter vLLM loaded is not the one the trainer holds; it was not made "
+            "current. Check that the folder was written completely and matches the trainer's base model",
+            reason="verification_failed",
+            detail={
+                "max_abs_diff": None if check.compared == 0 else check.max_abs_diff,
+                "compared": check.compared,
+            },
         )
 
     def _publish_target(self, req: PublishRequest, path: str | None) -> tuple[Policy, bool]:
@@ -307,7 +378,7 @@ def create_app(
 
 
 async def _backend_error(_: Request, exc: BackendError) -> JSONResponse:
-    response = error(exc.status, exc.message, exc.reason)
+    response = error(exc.status, exc.message, exc.reason, exc.detail)
     if exc.retry_after is not None:
         response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     return response
@@ -428,6 +499,24 @@ def policy_routes(gw: Gateway) -> APIRouter:
             raise BackendError(400, validation_message(exc)) from exc
         return await gw.publish(req)
 
+    @router.post("/policy/expect")
+    async def expect(request: Request) -> ExpectResponse:
+        if not gw.authorized(request):
+            raise BackendError(
+                401, "closing the gate needs 'Authorization: Bearer <inference.publish_token>'"
+            )
+        try:
+            req = ExpectRequest.model_validate(await json_object(request))
+        except ValidationError as exc:
+            raise BackendError(400, validation_message(exc)) from exc
+        if req.version > registry.current.version:
+            gw.gate.close(req.version, req.hold_s)
+            return ExpectResponse(holding_for=req.version)
+        spell = gw.gate.open()  # nothing newer is coming (the step made no update)
+        if spell is None:
+            return ExpectResponse(holding_for=None)
+        return ExpectResponse(holding_for=None, hold_s=spell.closed_s, held_requests=spell.held_requests)
+
     @router.post("/policy/lookup")
     async def lookup(request: Request) -> LookupResponse:
         try:
@@ -451,6 +540,10 @@ def policy_routes(gw: Gateway) -> APIRouter:
             rejected_total=gw.stats.rejected_total,
             rejected_by_reason=dict(gw.stats.rejected_by_reason),
             last_rejection=gw.stats.last_rejection,
+            gate_waiting_for=gw.gate.waiting_for,
+            gate_holding=gw.gate.holding,
+            gate_held_total=gw.gate.held_total,
+            gate_expired_total=gw.gate.expired_total,
         )
         if gw.authorized(request):  # where vLLM listens and its PIDs are for the token's holders only
             state.backend_url = backend.url

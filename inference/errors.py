@@ -17,6 +17,7 @@ Reason = Literal[
     "client_disconnected",  # the client went away; its request was aborted
     "unauthorized",  # a publish without the token
     "conflict",  # a publish that would go back in time
+    "verification_failed",  # a publish whose adapter, once loaded, did not give the trainer's probe logprobs
     "internal_error",  # an exception the gateway did not expect (a bug)
 ]
 
@@ -41,10 +42,16 @@ class BackendError(Exception):
     kind of failure where the status alone does not (default_reason otherwise)."""
 
     def __init__(
-        self, status: int, message: str, retry_after: float | None = None, reason: Reason | None = None
+        self,
+        status: int,
+        message: str,
+        retry_after: float | None = None,
+        reason: Reason | None = None,
+        detail: dict[str, float | int | None] | None = None,
     ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after = retry_after
         self.reason: Reason = reason or default_reason(status)
+        self.detail = detail or {}  # numbers a client reads from the error body besides the message

@@ -208,6 +208,28 @@ def sglang_generate_response(
     return one(samples[0]) if len(samples) == 1 else [one(s) for s in samples]
 
 
+MAX_PROBE_TOKENS = 256
+
+
+class PublishProbe(BaseModel):
+    """A fixed prompt and the trainer's own greedy continuation of it, with its logprob for each token."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=4096)
+    token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_PROBE_TOKENS)
+    logprobs: list[Annotated[Finite, Field(le=0)]] = Field(min_length=1, max_length=MAX_PROBE_TOKENS)
+    tolerance: Annotated[Finite, Field(gt=0, le=10)]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> PublishProbe:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"probe: {len(self.token_ids)} token_ids but {len(self.logprobs)} logprobs; send one logprob per token"
+            )
+        return self
+
+
 class PublishRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -226,6 +248,11 @@ class PublishRequest(BaseModel):
         False,
         description="the trainer restarted from a checkpoint: this version becomes current and every version "
         "above it is retracted (what they sampled is never attributed to a version again)",
+    )
+    probe: PublishProbe | None = Field(
+        None,
+        description="check the loaded adapter before it serves: the gateway decodes the probe greedily on it and "
+        "compares vLLM's sampled-token logprobs with the trainer's; a mismatch refuses the publish (422)",
     )
 
     @model_validator(mode="after")
@@ -251,6 +278,28 @@ class PublishResponse(BaseModel):
     unloaded: list[int]
     noop: bool = False  # the version was current already, with this adapter: nothing changed
     retracted: list[int] = Field(default_factory=list)  # versions a replace_newer publish abandoned
+    # The on-policy gate this publish opened: how long it held new requests, and how many it held.
+    hold_s: float = 0.0
+    held_requests: int = 0
+    # The probe check (null without a probe): largest |vLLM - trainer| logprob over the compared positions.
+    verify_max_abs_diff: float | None = None
+    verify_s: float | None = None
+
+
+class ExpectRequest(BaseModel):
+    """The trainer took a batch and will publish `version`: hold new generation requests until it is current, for
+    at most `hold_s`. A version that is not newer than the current one opens the gate (the step made no update)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: StrictInt = Field(ge=0, le=2**62)
+    hold_s: Annotated[Finite, Field(gt=0, le=3600)] = 120.0
+
+
+class ExpectResponse(BaseModel):
+    holding_for: int | None  # the version new requests wait for; null when the gate is open
+    hold_s: float = 0.0  # when this call opened the gate: how long it had been closed
+    held_requests: int = 0
 
 
 class LookupRequest(BaseModel):
@@ -284,3 +333,9 @@ class PolicyStatus(BaseModel):
     rejected_total: int = 0
     rejected_by_reason: dict[str, int] = Field(default_factory=dict)
     last_rejection: str | None = None  # "<UTC time> <route> <status> <reason>: <message, 300 chars at most>"
+    # The on-policy gate (inference/gate.py): the version new requests wait for (null: open), requests waiting
+    # now, requests ever held, and closings that ended at their deadline (no publish came).
+    gate_waiting_for: int | None = None
+    gate_holding: int = 0
+    gate_held_total: int = 0
+    gate_expired_total: int = 0

@@ -489,6 +489,10 @@ async def test_rollback_to_an_older_loaded_version(tmp_path):
             "unloaded": [3],
             "noop": False,
             "retracted": [3],
+            "hold_s": 0.0,
+            "held_requests": 0,
+            "verify_max_abs_diff": None,
+            "verify_s": None,
         }
         assert backend.loaded == ["policy-v1", "policy-v2", "policy-v3"] and backend.unloaded == ["policy-v3"]
         status = (await client.get("/policy")).json()

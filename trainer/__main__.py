@@ -62,12 +62,13 @@ def main(argv: list[str] | None = None) -> int:
 
         from trainer.training.faults import EXIT_NEEDS_OPERATOR, DiskFull
         from trainer.training.loop import run
+        from trainer.training.publishing import PublishUnverified
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)
         try:
             finished = run(load_config(RunConfig, args.config, args.overrides))
-        except DiskFull as exc:  # a restart would fail the same way: the launcher stops the run instead
+        except (DiskFull, PublishUnverified) as exc:  # a restart would fail the same way: the launcher stops
             logging.getLogger("trainer").error("%s", exc)
             return EXIT_NEEDS_OPERATOR
         # Stopped by a SIGTERM before its last step (not from the launcher, which is stopping anyway): exit as

@@ -293,6 +293,28 @@ class LocalBackend:
             "time/optim_s": time.perf_counter() - started,
         }
 
+    # --- publish verification -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def probe(self, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], list[float]]:
+        """The adapter's own greedy continuation of `prompt_ids` and each token's logprob (raw logits, no
+        sampling processors: what vLLM reports for a greedy decode with ignore_eos). No gradients, dropout off."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            ids_BT = torch.tensor([prompt_ids], device=self.device)
+            past, tokens, logprobs = None, [], []
+            for _ in range(n_tokens):
+                out = self.model(input_ids=ids_BT, past_key_values=past, use_cache=True)
+                lp_V = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+                token = int(lp_V.argmax())
+                tokens.append(token)
+                logprobs.append(float(lp_V[token]))
+                past, ids_BT = out.past_key_values, torch.tensor([[token]], device=self.device)
+        finally:
+            self.model.train(was_training)
+        return tokens, logprobs
+
     # --- saving ---------------------------------------------------------------------------------------------
 
     def save_for_sampler(self, version: int) -> str:

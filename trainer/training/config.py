@@ -125,6 +125,50 @@ class TrainerConfig(_Section):
     )
 
 
+class PublishConfig(_Section):
+    """How each new adapter reaches the sampler: the on-policy gate around it, its overlap with the next batch's
+    wait, and the check that the served adapter is the trained one."""
+
+    gate: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="hold new generation requests from taking a batch until its update is published, so they "
+        "sample the new version; auto = on when rollout.max_staleness is 0",
+    )
+    gate_hold_s: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        description="the longest the gateway holds a request for the next version (then it serves the current "
+        "one); well under Atropos's client timeouts",
+    )
+    overlap: bool = Field(
+        True,
+        description="save and load the adapter while waiting for the next batch, where the staleness bound "
+        "allows (max_staleness >= 1, or the gate on); the next batch's versions are read after it lands",
+    )
+    verify: bool = Field(
+        True,
+        description="after loading each adapter, the gateway decodes a fixed probe on it and compares vLLM's "
+        "logprobs with the trainer's before serving it (local backend)",
+    )
+    verify_tolerance: float | None = Field(
+        None,
+        gt=0,
+        description="largest |vLLM - trainer| logprob accepted; None = 1e-3 when model, adapter and vLLM are "
+        "all float32, 0.1 with any bfloat16",
+    )
+    verify_probe_tokens: int = Field(8, ge=1, le=256, description="greedy tokens the probe compares")
+    verify_retries: int = Field(
+        2,
+        ge=0,
+        description="publishes retried (the adapter written again) after a failed verification; past them the "
+        "run stops for a person to look (exit code 3, not restarted); 0 = stop at the first failure",
+    )
+
+    def gate_on(self, max_staleness: int) -> bool:
+        return self.gate == "on" or (self.gate == "auto" and max_staleness == 0)
+
+
 class DistributedConfig(_Section):
     """Data-parallel training: torchrun starts the ranks, DDP sums LoRA gradients across them. The frozen base is
     replicated on every rank (LoRA's optimizer state is tiny, so sharding it with FSDP would buy nothing)."""
@@ -255,6 +299,7 @@ class RunConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    publish: PublishConfig = Field(default_factory=PublishConfig)
     tinker: TinkerConfig = Field(default_factory=TinkerConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
 

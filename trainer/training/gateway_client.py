@@ -6,8 +6,19 @@ from __future__ import annotations
 
 import httpx
 
-from inference.wire import LookupRequest, LookupResponse, PolicyStatus, PublishRequest, PublishResponse
+from inference.wire import (
+    ExpectRequest,
+    ExpectResponse,
+    LookupRequest,
+    LookupResponse,
+    PolicyStatus,
+    PublishProbe,
+    PublishRequest,
+    PublishResponse,
+)
 from trainer.training.retries import Edge, checked
+
+__all__ = ["ExpectResponse", "GatewayClient", "PublishProbe", "PublishResponse", "verification_failure"]
 
 PUBLISH_TIMEOUT_S = 600.0  # an adapter load waits for a vLLM restart when one is under way
 
@@ -40,12 +51,28 @@ class GatewayClient:
         response = self.edge.call(lambda: checked(self._http.post(path, json=body, timeout=timeout)), path)
         return dict(response.json())
 
-    def publish(self, version: int, adapter_path: str | None, replace_newer: bool = False) -> PublishResponse:
+    def publish(
+        self,
+        version: int,
+        adapter_path: str | None,
+        replace_newer: bool = False,
+        probe: PublishProbe | None = None,
+    ) -> PublishResponse:
         """Make `version` the served policy. A retry of a publish that already landed is answered as a no-op by the
-        gateway; `replace_newer` (a trainer restarted from a checkpoint) retracts every version above it."""
-        body = PublishRequest(version=version, adapter_path=adapter_path, replace_newer=replace_newer)
-        raw = self._post("/policy/publish", body.model_dump(), PUBLISH_TIMEOUT_S)
+        gateway; `replace_newer` (a trainer restarted from a checkpoint) retracts every version above it. With a
+        `probe` the gateway refuses (HTTPStatusError 422, see verification_failure) an adapter whose logprobs
+        differ from the trainer's."""
+        body = PublishRequest(
+            version=version, adapter_path=adapter_path, replace_newer=replace_newer, probe=probe
+        )
+        raw = self._post("/policy/publish", body.model_dump(exclude_none=True), PUBLISH_TIMEOUT_S)
         return PublishResponse.model_validate(raw)
+
+    def expect(self, version: int, hold_s: float) -> ExpectResponse:
+        """Close the on-policy gate until `version` is published (or open it: a version not newer than the
+        current one)."""
+        body = ExpectRequest(version=version, hold_s=hold_s).model_dump()
+        return ExpectResponse.model_validate(self._post("/policy/expect", body))
 
     def lookup(self, sequences: list[list[int]]) -> list[int | None]:
         body = LookupRequest(sequences=sequences).model_dump()
@@ -54,3 +81,18 @@ class GatewayClient:
     def status(self) -> PolicyStatus:
         response = self.edge.call(lambda: checked(self._http.get("/policy")), "/policy")
         return PolicyStatus.model_validate(response.json())
+
+
+def verification_failure(exc: httpx.HTTPStatusError) -> tuple[str, float | None] | None:
+    """(message, max |logprob difference|) when the gateway refused a publish because the loaded adapter did not
+    reproduce the trainer's probe logprobs; None for any other error."""
+    if exc.response.status_code != 422:
+        return None
+    try:
+        err = exc.response.json().get("error", {})
+    except ValueError:
+        return None
+    if not isinstance(err, dict) or err.get("type") != "verification_failed":
+        return None
+    diff = err.get("max_abs_diff")
+    return str(err.get("message")), float(diff) if isinstance(diff, int | float) else None

@@ -13,8 +13,10 @@ import json
 import logging
 import signal
 import statistics
+import sys
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,8 +41,9 @@ from trainer.training.checkpoints import (
 )
 from trainer.training.config import RunConfig
 from trainer.training.faults import fault_counts
-from trainer.training.gateway_client import GatewayClient
+from trainer.training.gateway_client import ExpectResponse, GatewayClient
 from trainer.training.polling import wait_until
+from trainer.training.publishing import Publisher, PublishOutcome
 from trainer.training.retries import Edge, checked
 from trainer.training.schedule import build_adam_params
 
@@ -261,7 +264,13 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     api = RunApi(cfg, cfg.launch.run_api_url, str(logs / "run-api.log"))
     stopper = Stopper()
     stopper.install()
-    state = _resume(backend, gateway, run_dir)
+    gate = cfg.publish.gate_on(cfg.rollout.max_staleness)
+    # A publish may overlap the next batch's wait when what is sampled meanwhile is still usable: the gate holds
+    # it for the new version, or the staleness window accepts the current one.
+    publisher = Publisher(
+        cfg, backend, gateway, overlap=cfg.publish.overlap and (gate or cfg.rollout.max_staleness >= 1)
+    )
+    state = _resume(backend, publisher, run_dir)
     if state.step >= cfg.rollout.num_steps:
         log.info("the run is already at step %d of %d: nothing to do", state.step, cfg.rollout.num_steps)
         return True
@@ -278,30 +287,110 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
         std_eps=cfg.advantage.std_eps,
         require_sampler_logprobs=cfg.loss.name != "cross_entropy",
     )
-    started = time.monotonic()
-    checkpointed = state.step
+    run = RunTally(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step)
+    pending: PendingStep | None = None
     try:
         while state.step < cfg.rollout.num_steps:
-            _ensure_gateway_policy(gateway, run_dir, state)
-            row = _one_step(cfg, backend, gateway, api, intake, state, stopper)
-            api.step = state.step
-            row["wall_s"] = time.monotonic() - started
-            row["unix_time"] = (
-                time.time()
-            )  # lines steps up with outside clocks (e.g. a SLURM job's start time)
-            row.update(fault_counts(run_dir, api.reregistrations))
-            metrics.write(row)
-            if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
-                save_checkpoint(backend, run_dir, state)
-                checkpointed = state.step
+            waiting_since = time.monotonic()
+            groups = wait_for_batch(api, cfg.trainer.batch_poll_s, stopper)
+            if pending is not None:
+                _finish_step(cfg, backend, metrics, run, pending, state, api, run_dir, overlapped=True)
+                pending = None
+            _ensure_gateway_policy(gateway, publisher, run_dir, state)
+            hold = gateway.expect(state.version + 1, cfg.publish.gate_hold_s) if gate else None
+            pending = _one_step(
+                cfg, backend, gateway, publisher, intake, state, groups, StepTimes(waiting_since), hold
+            )
+            if not publisher.overlap:
+                _finish_step(cfg, backend, metrics, run, pending, state, api, run_dir)
+                pending = None
             stopper.check()
     except StopRequested:
         log.info("stopping at step %d", state.step)
-    if cfg.trainer.checkpoint_every and checkpointed != state.step:
+    finally:
+        if pending is not None and sys.exc_info()[0] in (None, StopRequested):
+            _finish_step(cfg, backend, metrics, run, pending, state, api, run_dir, overlapped=True)
+        publisher.close()
+    if cfg.trainer.checkpoint_every and run.checkpointed != state.step:
         save_checkpoint(backend, run_dir, state)  # the end of the run, or a stop: nothing to redo on resume
     metrics.close()
     gateway.close()
     return state.step >= cfg.rollout.num_steps
+
+
+@dataclass
+class RunTally:
+    """What the run's rows add up to so far (restored from metrics.jsonl on resume)."""
+
+    totals: dict[str, float]
+    started: float
+    checkpointed: int
+
+
+TALLIED = ("rollouts/sequences_taken", "rollouts/dropped_stale")
+
+
+def read_tally(path: Path) -> dict[str, float]:
+    """Sums of the tallied metrics over the rows already written (the rows a resume keeps)."""
+    totals = dict.fromkeys(TALLIED, 0.0)
+    if not path.exists():
+        return totals
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        for key in TALLIED:
+            value = row.get(key)
+            if isinstance(value, int | float):
+                totals[key] += value
+    return totals
+
+
+@dataclass
+class PendingStep:
+    """A step trained and maybe still publishing: its row is written once the publish is done."""
+
+    row: dict[str, Any]
+    times: StepTimes
+    publish: Future[PublishOutcome] | None  # None: the step made no update
+
+
+def _finish_step(
+    cfg: RunConfig,
+    backend: TrainingBackend,
+    metrics: MetricsWriter,
+    run: RunTally,
+    pending: PendingStep,
+    state: LoopState,
+    api: RunApi,
+    run_dir: Path,
+    overlapped: bool = False,
+) -> None:
+    """Join the step's publish (its version becomes the trainer's), complete and write its row, checkpoint if due."""
+    row, times = pending.row, pending.times
+    outcome = pending.publish.result() if pending.publish is not None else None
+    if outcome is not None:
+        state.version = outcome.version
+        row["policy_version"] = state.version
+        row["time/publish_s"] = outcome.seconds
+        row.update(Publisher.metrics(outcome))
+    # Overlapped, the publish ran while the next batch was awaited: this step ended when its training did, and any
+    # wait for the publish after the next batch arrived counts in that step's time/wait_for_batch_s.
+    row["time/publish_overlapped"] = float(overlapped)
+    row["time/step_s"] = (times.trained if overlapped else time.monotonic()) - times.started
+    for key in TALLIED:
+        run.totals[key] += row[key]
+    taken = run.totals["rollouts/sequences_taken"]
+    row["rollouts/stale_fraction_cum"] = run.totals["rollouts/dropped_stale"] / taken if taken else 0.0
+    api.step = state.step
+    row["wall_s"] = time.monotonic() - run.started
+    row["unix_time"] = time.time()  # lines steps up with outside clocks (e.g. a SLURM job's start time)
+    row.update(fault_counts(run_dir, api.reregistrations))
+    metrics.write(row)
+    if cfg.trainer.checkpoint_every and row["step"] % cfg.trainer.checkpoint_every == 0:
+        save_checkpoint(backend, run_dir, state)
+        run.checkpointed = state.step
 
 
 def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -> None:
@@ -336,7 +425,7 @@ def warn_if_disk_short(cfg: RunConfig, backend: TrainingBackend, run_dir: Path, 
         )
 
 
-def _resume(backend: TrainingBackend, gateway: GatewayClient, run_dir: Path) -> LoopState:
+def _resume(backend: TrainingBackend, publisher: Publisher, run_dir: Path) -> LoopState:
     """Repair the run folder after whatever stopped the last trainer, load the newest complete checkpoint (if
     any), and make its adapter the gateway's current policy, retracting versions published after it."""
     fixed = repair(run_dir)
@@ -356,13 +445,15 @@ def _resume(backend: TrainingBackend, gateway: GatewayClient, run_dir: Path) -> 
     if state.version > 0:
         saved = adapter_dir(run_dir, state.version)
         adapter = str(saved) if saved.exists() else backend.save_for_sampler(state.version)
-    reply = gateway.publish(state.version, adapter, replace_newer=True)
+    reply = publisher.republish(state.version, adapter)
     if reply.retracted:
         log.warning("the gateway retracted versions %s of the interrupted run", reply.retracted)
     return state
 
 
-def _ensure_gateway_policy(gateway: GatewayClient, run_dir: Path, state: LoopState) -> None:
+def _ensure_gateway_policy(
+    gateway: GatewayClient, publisher: Publisher, run_dir: Path, state: LoopState
+) -> None:
     """A gateway restarted by the launcher serves the base model: publish the trainer's version again."""
     status = gateway.status()
     if status.current_version == state.version:
@@ -374,7 +465,7 @@ def _ensure_gateway_policy(gateway: GatewayClient, run_dir: Path, state: LoopSta
         state.version,
     )
     adapter = str(adapter_dir(run_dir, state.version)) if state.version > 0 else None
-    gateway.publish(state.version, adapter, replace_newer=True)
+    publisher.republish(state.version, adapter)
 
 
 def versions_by_group(gateway: GatewayClient, groups: list[Any]) -> list[list[int | None]]:
@@ -390,24 +481,24 @@ def versions_by_group(gateway: GatewayClient, groups: list[Any]) -> list[list[in
 
 @dataclass
 class StepTimes:
-    started: float
-    batch: float = 0.0  # batch in hand
+    started: float  # waiting for the batch began
+    batch: float = 0.0  # batch in hand (and the previous step's publish joined)
     trained: float = 0.0  # optimizer step done
-    published: float = 0.0  # new version live on the gateway
 
 
 def _one_step(
     cfg: RunConfig,
     backend: TrainingBackend,
     gateway: GatewayClient,
-    api: RunApi,
+    publisher: Publisher,
     intake: IntakeOptions,
     state: LoopState,
-    stopper: Stopper | None = None,
-) -> dict[str, Any]:
-    """Consume one batch; train and publish if anything in it is trainable. Advances `state`."""
-    times = StepTimes(time.monotonic())
-    groups = wait_for_batch(api, cfg.trainer.batch_poll_s, stopper)
+    groups: list[Any],
+    times: StepTimes,
+    hold: ExpectResponse | None,
+) -> PendingStep:
+    """Consume one batch; train and start publishing if anything in it is trainable. Advances `state.step`; the
+    version advances when the publish is joined (_finish_step)."""
     times.batch = time.monotonic()
     versions = versions_by_group(gateway, groups)
     split = split_by_staleness(
@@ -420,37 +511,27 @@ def _one_step(
     if split.dropped_stale or split.dropped_unknown:
         stale, unknown = split.dropped_stale, split.dropped_unknown
         log.info("step %d: dropped %d stale and %d unknown-version sequences", state.step, stale, unknown)
-    train = _train_and_publish(cfg, backend, gateway, converted, state, times)
-    if not converted.examples:
-        why = "stale, malformed or zero-variance"
-        log.info("step %d: nothing trainable in %d groups (%s); no update", state.step, len(groups), why)
-    return _metrics_row(state, groups, split, converted, train, times)
-
-
-def _train_and_publish(
-    cfg: RunConfig,
-    backend: TrainingBackend,
-    gateway: GatewayClient,
-    converted: ConvertedBatch,
-    state: LoopState,
-    times: StepTimes,
-) -> dict[str, Any]:
-    """One optimizer step on what is trainable, then its adapter published as the next version. Returns the
-    training metrics (null when nothing was trainable: no update, no new version)."""
     train: dict[str, Any] = {key: None for key in NO_UPDATE_KEYS}
     train["tokens/trained"] = 0.0
+    publish: Future[PublishOutcome] | None = None
     if converted.examples:
         adam = build_adam_params(backend.step, cfg.optim)
         fb, optim = backend.train_step(converted.examples, cfg.loss.params(), cfg.loss.reduction, adam)
         train.update({"loss": fb.loss, **optim})
         train.update({k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS})
         times.trained = time.monotonic()
-        gateway.publish(state.version + 1, backend.save_for_sampler(state.version + 1))
-        state.version += 1
+        publish = publisher.start(state.version + 1)
     else:
         times.trained = time.monotonic()
-    times.published = time.monotonic()
-    return train
+        why = "stale, malformed or zero-variance"
+        log.info("step %d: nothing trainable in %d groups (%s); no update", state.step, len(groups), why)
+        if hold is not None:  # nothing is coming: let the held requests through on the current version
+            hold = gateway.expect(state.version, cfg.publish.gate_hold_s)
+    row = _metrics_row(state, groups, split, converted, train, times)
+    row.update(Publisher.metrics(None))
+    if hold is not None and publish is None:
+        row["gateway/hold_s"], row["gateway/held_requests"] = hold.hold_s, float(hold.held_requests)
+    return PendingStep(row, times, publish)
 
 
 def _metrics_row(
@@ -461,8 +542,10 @@ def _metrics_row(
     train: dict[str, Any],
     times: StepTimes,
 ) -> dict[str, Any]:
+    """The step's row as far as training goes; _finish_step adds the publish, the times and the run's totals."""
     scores = converted.scores
     train_s = times.trained - times.batch
+    taken = sum(len(g.get("tokens", [])) for g in groups)
     return {
         "step": state.step,
         "policy_version": state.version,
@@ -472,14 +555,17 @@ def _metrics_row(
         "tokens/sampled": float(sampled_tokens(groups)),
         "policy/staleness_mean": statistics.fmean(split.staleness) if split.staleness else 0.0,
         "policy/staleness_max": float(max(split.staleness, default=0)),
+        "rollouts/sequences_taken": float(taken),
         "rollouts/dropped_stale": float(split.dropped_stale),
+        # Stale drops over everything run-api handed out, before any other drop (zero-variance groups are
+        # used data, not waste).
+        "rollouts/stale_fraction": split.dropped_stale / taken if taken else 0.0,
         "rollouts/dropped_unknown_version": float(split.dropped_unknown),
         "rollouts/kept_unknown_version": float(split.kept_unknown),
         **converted.metrics(),
-        "time/step_s": times.published - times.started,
         "time/wait_for_batch_s": times.batch - times.started,
         "time/train_s": train_s,
-        "time/publish_s": times.published - times.trained,
+        "time/publish_s": 0.0,
         "perf/tokens_per_s": train["tokens/trained"] / max(train_s, 1e-9),
     }
 

@@ -259,20 +259,19 @@ class Gateway:
     async def _verify(
         self, policy: Policy, probe: PublishProbe, loaded_now: bool
     ) -> tuple[ProbeCheck, float]:
-        """Greedy-decode the probe on `policy` (not yet serving) and compare with the trainer's logprobs; on a
-        mismatch the adapter is unloaded again and the publish refused with the numbers."""
+        """One greedy token per probe prompt on `policy` (not yet serving), its top-k logprobs compared with the
+        trainer's; on a mismatch the adapter is unloaded again and the publish refused with the numbers."""
         started = time.perf_counter()
-        req = SamplingRequest(
-            prompt_token_ids=probe.prompt_token_ids,
-            max_tokens=len(probe.token_ids),
-            sampling={"temperature": 0.0, "ignore_eos": True},
-        )
+        body = {
+            "prompt": probe.prompts,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "logprobs": max(len(top) for top in probe.top_logprobs),
+            "return_tokens_as_token_ids": True,
+        }
         async with self.lane.enter(False):
-            samples = await self.backend.sample(req, policy)
-        served = samples[0] if samples else Sample(token_ids=[], logprobs=[], finish_reason="abort")
-        check = compare_probe(
-            probe.token_ids, probe.logprobs, served.token_ids, served.logprobs, probe.tolerance
-        )
+            answer = await self.backend.forward("/v1/completions", body, policy)
+        check = compare_probe(probe.top_logprobs, served_top_logprobs(answer), probe.tolerance)
         if check.passed:
             return check, time.perf_counter() - started
         log.error(
@@ -291,7 +290,7 @@ class Gateway:
             "current. Check that the folder was written completely and matches the trainer's base model",
             reason="verification_failed",
             detail={
-                "max_abs_diff": None if check.compared == 0 else check.max_abs_diff,
+                "max_abs_diff": check.max_abs_diff if math.isfinite(check.max_abs_diff) else None,
                 "compared": check.compared,
             },
         )
@@ -310,6 +309,17 @@ class Gateway:
             f"({current.adapter_path}); a trainer that restarted from a checkpoint publishes its checkpoint's "
             "version with replace_newer: true",
         )
+
+
+def served_top_logprobs(answer: dict[str, Any]) -> list[dict[int, float]]:
+    """Per choice (one per probe prompt), the first generated position's top-k logprobs from an OpenAI
+    completions body asked with return_tokens_as_token_ids ("token_id:<id>" keys); {} where absent."""
+    tops: list[dict[int, float]] = []
+    for choice in sorted(answer.get("choices", []), key=lambda c: c.get("index", 0)):
+        positions = (choice.get("logprobs") or {}).get("top_logprobs") or [{}]
+        top = positions[0] or {}
+        tops.append({int(str(k).removeprefix("token_id:")): float(v) for k, v in top.items()})
+    return tops
 
 
 def resolved_path(path: str | None) -> str | None:

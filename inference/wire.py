@@ -208,24 +208,33 @@ def sglang_generate_response(
     return one(samples[0]) if len(samples) == 1 else [one(s) for s in samples]
 
 
-MAX_PROBE_TOKENS = 256
+MAX_PROBE_PROMPTS = 16
+TokenKey = Annotated[
+    int, Field(ge=0, le=MAX_TOKEN_ID)
+]  # a token id as a JSON object key (a string on the wire)
 
 
 class PublishProbe(BaseModel):
-    """A fixed prompt and the trainer's own greedy continuation of it, with its logprob for each token."""
+    """A few fixed prompts and, for each, the trainer's own top-k logprobs of the next token (token id -> logprob)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=4096)
-    token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_PROBE_TOKENS)
-    logprobs: list[Annotated[Finite, Field(le=0)]] = Field(min_length=1, max_length=MAX_PROBE_TOKENS)
+    prompts: list[Annotated[list[TokenId], Field(min_length=1, max_length=4096)]] = Field(
+        min_length=1, max_length=MAX_PROBE_PROMPTS
+    )
+    top_logprobs: list[
+        Annotated[
+            dict[TokenKey, Annotated[Finite, Field(le=0)]], Field(min_length=1, max_length=MAX_LOGPROBS)
+        ]
+    ] = Field(min_length=1, max_length=MAX_PROBE_PROMPTS)
     tolerance: Annotated[Finite, Field(gt=0, le=10)]
 
     @model_validator(mode="after")
     def _aligned(self) -> PublishProbe:
-        if len(self.token_ids) != len(self.logprobs):
+        if len(self.prompts) != len(self.top_logprobs):
             raise ValueError(
-                f"probe: {len(self.token_ids)} token_ids but {len(self.logprobs)} logprobs; send one logprob per token"
+                f"probe: {len(self.prompts)} prompts but {len(self.top_logprobs)} top_logprobs; send one "
+                "{token id: logprob} map per prompt"
             )
         return self
 

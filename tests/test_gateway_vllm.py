@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -443,6 +444,75 @@ def test_vllm_refusals_are_counted_by_reason(gateway):
         after.last_rejection is not None
         and "/v1/chat/completions 400 prompt_too_long" in after.last_rejection
     )
+
+
+def lm_head_only(root: Path, seed: int) -> Any:
+    """A LoRA on lm_head alone, with B drawn at random so the delta moves every next-token distribution (a
+    fresh LoRA's B is zero)."""
+    from tests.test_local_backend import make_cfg
+    from trainer.backends.local import LocalBackend
+
+    backend = LocalBackend(make_cfg(root, lora__target_modules=["lm_head"], lora__seed=seed))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in backend.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return backend
+
+
+def test_publish_verification_passes_an_lm_head_adapter_and_refuses_a_wrong_one(gateway, adapters, tmp_path):
+    """The probe goes through vLLM's sampled-token logprobs, which include an lm_head delta: the right
+    lm_head-only adapter agrees to float32 noise; a different one, or the previous version's, is refused and never
+    served."""
+    from trainer.training.gateway_client import PublishProbe
+    from trainer.training.publishing import FLOAT32_TOLERANCE, PROBE_TOP_K, probe_prompts
+
+    url, client, _, _ = gateway
+    right, wrong = lm_head_only(tmp_path / "a", seed=1), lm_head_only(tmp_path / "b", seed=2)
+    prompts = probe_prompts(right.vocab_size, 4)
+
+    def probe_of(backend: Any) -> PublishProbe:
+        top = backend.probe(prompts, PROBE_TOP_K)
+        return PublishProbe(prompts=prompts, top_logprobs=top, tolerance=FLOAT32_TOLERANCE)
+
+    version = client.status().current_version + 1
+    ok = client.publish(version, right.save_for_sampler(version), probe=probe_of(right))
+    assert ok.verify_max_abs_diff is not None and ok.verify_max_abs_diff < 1e-4, ok
+    assert ok.verify_s is not None and ok.verify_s < ok.load_s, ok  # the check costs less than the load
+    PUBLISHED[version] = str(tmp_path / "a")
+
+    # The wrong adapter's folder published under the right one's probe: refused, the previous version serves on.
+    for bad_path in (wrong.save_for_sampler(version + 1), adapters[5]):
+        with pytest.raises(httpx.HTTPStatusError) as refused:
+            client.publish(version + 1, bad_path, probe=probe_of(right))
+        err = refused.value.response.json()["error"]
+        assert refused.value.response.status_code == 422 and err["type"] == "verification_failed"
+        assert err["max_abs_diff"] is None or err["max_abs_diff"] > 1e-2, err
+        assert client.status().current_version == version
+        served = httpx.post(
+            f"{url}/generate", json={"prompt": {"prompt_token_ids": [5, 6]}, "max_tokens": 2}, timeout=60
+        )
+        assert served.headers["x-policy-version"] == str(version)
+    # A sync that silently kept the previous weights: version 5's adapter under a probe of version 6's weights.
+    from tests.test_local_backend import make_cfg
+    from trainer.backends.local import LocalBackend
+
+    trained = LocalBackend(make_cfg(tmp_path / "c"))
+    _load_adapter_weights(trained, adapters[6])
+    with pytest.raises(httpx.HTTPStatusError) as stale:
+        client.publish(version + 1, adapters[5], probe=probe_of(trained))
+    assert stale.value.response.json()["error"]["type"] == "verification_failed"
+    # ...and version 6's own adapter under the same probe passes.
+    assert client.publish(version + 1, adapters[6], probe=probe_of(trained)).verify_max_abs_diff < 1e-4
+    PUBLISHED[version + 1] = adapters[6]
+
+
+def _load_adapter_weights(backend: Any, folder: str) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(backend.model, load_file(str(Path(folder) / "adapter_model.safetensors")))
 
 
 def test_sigterm_of_gateway_stops_vllm(tmp_path):

@@ -49,8 +49,8 @@ class RankZeroBackend:
     def save_for_sampler(self, version: int) -> str:
         return self.local.save_for_sampler(version)
 
-    def probe(self, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], list[float]]:
-        return self.local.probe(prompt_ids, n_tokens)  # rank 0's replica alone: no collective
+    def probe(self, prompts: list[list[int]], top_k: int) -> list[dict[int, float]]:
+        return self.local.probe(prompts, top_k)  # rank 0's replica alone: no collective
 
     def save_state(self, name: str) -> str:
         return self.local.save_state(name)

@@ -296,24 +296,21 @@ class LocalBackend:
     # --- publish verification -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def probe(self, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], list[float]]:
-        """The adapter's own greedy continuation of `prompt_ids` and each token's logprob (raw logits, no
-        sampling processors: what vLLM reports for a greedy decode with ignore_eos). No gradients, dropout off."""
+    def probe(self, prompts: list[list[int]], top_k: int) -> list[dict[int, float]]:
+        """For each prompt, the top-k logprobs of the next token (raw logits: what vLLM reports for a greedy token).
+        One forward of the equal-length prompts; no gradients, dropout off."""
         was_training = self.model.training
         self.model.eval()
         try:
-            ids_BT = torch.tensor([prompt_ids], device=self.device)
-            past, tokens, logprobs = None, [], []
-            for _ in range(n_tokens):
-                out = self.model(input_ids=ids_BT, past_key_values=past, use_cache=True)
-                lp_V = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
-                token = int(lp_V.argmax())
-                tokens.append(token)
-                logprobs.append(float(lp_V[token]))
-                past, ids_BT = out.past_key_values, torch.tensor([[token]], device=self.device)
+            ids_BT = torch.tensor(prompts, device=self.device)
+            logits_BV = self.model(input_ids=ids_BT, use_cache=False).logits[:, -1].float()
         finally:
             self.model.train(was_training)
-        return tokens, logprobs
+        top = torch.log_softmax(logits_BV, dim=-1).topk(min(top_k, logits_BV.shape[-1]), dim=-1)
+        return [
+            dict(zip(ids.tolist(), lps.tolist(), strict=True))
+            for ids, lps in zip(top.indices, top.values, strict=True)
+        ]
 
     # --- saving ---------------------------------------------------------------------------------------------
 

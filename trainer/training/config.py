@@ -157,7 +157,9 @@ class PublishConfig(_Section):
         description="largest |vLLM - trainer| logprob accepted; None = 1e-3 when model, adapter and vLLM are "
         "all float32, 0.1 with any bfloat16",
     )
-    verify_probe_tokens: int = Field(8, ge=1, le=256, description="greedy tokens the probe compares")
+    verify_prompts: int = Field(
+        4, ge=1, le=16, description="fixed probe prompts; the top-20 next-token logprobs of each are compared"
+    )
     verify_retries: int = Field(
         2,
         ge=0,

@@ -19,7 +19,7 @@ import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 
@@ -43,15 +43,16 @@ class PublishUnverified(RuntimeError):
     """The gateway kept serving logprobs that are not the trainer's: a restart would not fix it."""
 
 
-class Probing(Protocol):
-    def probe(self, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], list[float]]: ...
+PROBE_TOP_K = 20  # vLLM's default --max-logprobs
 
 
-def probe_prompt(vocab_size: int, n: int = PROBE_PROMPT_TOKENS) -> list[int]:
-    """A fixed prompt: ids spread over the middle of the vocabulary, away from the special tokens that tokenizers
-    put at either end."""
+def probe_prompts(vocab_size: int, count: int, length: int = PROBE_PROMPT_TOKENS) -> list[list[int]]:
+    """Fixed prompts: ids spread over the middle of the vocabulary, away from the special tokens that tokenizers
+    put at either end; every prompt the same length (one unpadded forward on the trainer)."""
     low, span = vocab_size // 4, max(1, vocab_size // 2)
-    return [low + (i * 7919) % span for i in range(n)]
+    return [
+        [low + (7919 * (i + length * p) + 104729 * p) % span for i in range(length)] for p in range(count)
+    ]
 
 
 def verify_tolerance(cfg: RunConfig, device_type: str) -> float:
@@ -101,11 +102,9 @@ class Publisher:
         if not self.verify:
             return None, 0.0
         started = time.perf_counter()
-        prompt = probe_prompt(self.backend.vocab_size)
-        tokens, logprobs = self.backend.probe(prompt, self.cfg.publish.verify_probe_tokens)  # type: ignore[attr-defined]
-        probe = PublishProbe(
-            prompt_token_ids=prompt, token_ids=tokens, logprobs=logprobs, tolerance=self.tolerance
-        )
+        prompts = probe_prompts(self.backend.vocab_size, self.cfg.publish.verify_prompts)
+        top = self.backend.probe(prompts, PROBE_TOP_K)  # type: ignore[attr-defined]
+        probe = PublishProbe(prompts=prompts, top_logprobs=top, tolerance=self.tolerance)
         return probe, time.perf_counter() - started
 
     def republish(self, version: int, adapter: str | None) -> PublishResponse:

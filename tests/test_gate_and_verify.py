@@ -1,0 +1,173 @@
+"""The on-policy gate and publish verification in the gateway, against a scripted sampler (the real-vLLM checks
+are in test_gateway_vllm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from inference.gate import Gate
+from inference.policy import Policy
+from inference.probe_check import compare_probe
+from tests.test_gateway_unit import ScriptedBackend, client_for, make_adapter, publish_body
+
+GEN = {"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 4}
+
+
+def test_probe_compare_skips_edge_ids_and_needs_overlap():
+    want = [{5: -0.1, 6: -2.0, 7: -3.0}, {1: -0.5, 2: -1.0}]
+    same = compare_probe(want, [{5: -0.1000004, 6: -2.0, 7: -3.0}, {1: -0.5, 2: -1.0}], 1e-4)
+    assert same.passed and same.compared == 5
+    # A near-tie at the edge of the top-k: id 7 and id 8 swap places; the shared ids are compared.
+    edge = compare_probe(want, [{5: -0.1, 6: -2.0, 8: -3.0}, {1: -0.5, 2: -1.0}], 1e-4)
+    assert edge.passed and edge.compared == 4
+    moved = compare_probe(want, [{5: -0.1, 6: -2.05, 7: -3.0}, {1: -0.5, 2: -1.0}], 1e-3)
+    assert not moved.passed and moved.max_abs_diff == pytest.approx(0.05) and moved.worst_prompt == 0
+    assert "0.05" in moved.describe() and "tolerance" in moved.describe()
+    other = compare_probe(want, [{5: -0.1, 6: -2.0, 7: -3.0}, {3: -0.5, 4: -1.0}], 1e-3)
+    assert not other.passed and other.worst_prompt == 1  # a different next-token distribution altogether
+    assert not compare_probe(want, [], 1e-3).passed
+
+
+async def test_gate_holds_until_opened_and_expires_by_itself():
+    gate = Gate()
+    assert await gate.wait() == 0.0  # open: no wait
+    gate.close(1, hold_s=5.0)
+    waiter = asyncio.create_task(gate.wait())
+    await asyncio.sleep(0.05)
+    assert not waiter.done() and gate.holding == 1
+    spell = gate.open()
+    assert spell is not None and spell.version == 1 and spell.held_requests == 1 and not spell.expired
+    assert await waiter >= 0.04
+    gate.close(2, hold_s=0.1)
+    late = asyncio.create_task(gate.wait())
+    await asyncio.sleep(0.3)
+    assert late.done() and gate.waiting_for is None and gate.expired_total == 1
+    assert gate.last is not None and gate.last.expired
+
+
+async def test_requests_wait_for_the_expected_version_and_are_served_on_it(tmp_path):
+    backend = ScriptedBackend()
+    client, _ = client_for(backend)
+    async with client:
+        a1 = make_adapter(tmp_path, "a1")
+        r = await client.post("/policy/expect", json={"version": 1, "hold_s": 30})
+        assert r.json() == {"holding_for": 1, "hold_s": 0.0, "held_requests": 0}
+        held = [asyncio.create_task(client.post("/generate", json=GEN)) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        assert not any(t.done() for t in held)
+        status = (await client.get("/policy")).json()
+        assert status["gate_waiting_for"] == 1 and status["gate_holding"] == 3
+        published = (await client.post("/policy/publish", json=publish_body(1, a1))).json()
+        assert published["held_requests"] == 3 and published["hold_s"] >= 0.2
+        for t in held:
+            reply = await t
+            assert reply.status_code == 200 and reply.headers["x-policy-version"] == "1"
+        assert (await client.get("/policy")).json()["gate_waiting_for"] is None
+
+
+async def test_an_in_flight_request_finishes_on_the_old_version(tmp_path):
+    backend = ScriptedBackend()
+    backend.gate = asyncio.Event()  # the sampler holds this request mid-generation
+    client, _ = client_for(backend)
+    async with client:
+        running = asyncio.create_task(client.post("/generate", json=GEN))
+        await asyncio.sleep(0.1)
+        await client.post("/policy/expect", json={"version": 1, "hold_s": 30})
+        backend.gate.set()
+        assert (await running).headers["x-policy-version"] == "0"
+
+
+async def test_a_step_without_update_opens_the_gate(tmp_path):
+    client, _ = client_for(ScriptedBackend())
+    async with client:
+        await client.post("/policy/expect", json={"version": 1, "hold_s": 30})
+        held = asyncio.create_task(client.post("/generate", json=GEN))
+        await asyncio.sleep(0.1)
+        opened = (await client.post("/policy/expect", json={"version": 0})).json()
+        assert opened["holding_for"] is None and opened["held_requests"] == 1
+        assert (await held).headers["x-policy-version"] == "0"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"version": -1}, {"version": 1, "hold_s": 0}, {"version": 1, "hold_s": 1e9}, {"version": "1"}, {"v": 1}],
+)
+async def test_expect_refuses_bad_bodies(body):
+    client, _ = client_for(ScriptedBackend())
+    async with client:
+        r = await client.post("/policy/expect", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+async def test_expect_needs_the_publish_token():
+    client, _ = client_for(ScriptedBackend(), publish_token="s3cret-token-value")
+    async with client:
+        r = await client.post("/policy/expect", json={"version": 1})
+        assert r.status_code == 401
+
+
+class ProbedBackend(ScriptedBackend):
+    """Answers a probe with top logprobs {1: -0.1, 2: -0.2 - 0.1 * version}: each version its own distribution."""
+
+    async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
+        top = {"token_id:1": -0.1, "token_id:2": -0.2 - 0.1 * policy.version}
+        choice = {"logprobs": {"top_logprobs": [top]}, "token_ids": [1]}
+        return {"choices": [{"index": i, **choice} for i in range(len(body["prompt"]))]}
+
+
+def probe(version: int, shift: float = 0.0, tolerance: float = 1e-3) -> dict:
+    top = {"1": -0.1, "2": -0.2 - 0.1 * version + shift}
+    return {"prompts": [[3, 4], [5, 6]], "top_logprobs": [top, top], "tolerance": tolerance}
+
+
+async def test_a_verified_publish_serves_and_reports_the_difference(tmp_path):
+    client, _ = client_for(ProbedBackend())
+    async with client:
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": probe(1, shift=5e-4)}
+        r = await client.post("/policy/publish", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["verify_max_abs_diff"] == pytest.approx(5e-4) and r.json()["verify_s"] >= 0
+
+
+async def test_a_wrong_adapter_is_refused_unloaded_and_never_served(tmp_path):
+    backend = ProbedBackend()
+    client, reg = client_for(backend)
+    async with client:
+        await client.post("/policy/expect", json={"version": 1, "hold_s": 30})
+        # The trainer's logprobs are those of version 2's weights: not what was loaded as version 1.
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": probe(2)}
+        r = await client.post("/policy/publish", json=body)
+        assert r.status_code == 422
+        err = r.json()["error"]
+        assert err["type"] == "verification_failed" and err["max_abs_diff"] == pytest.approx(0.1)
+        assert "version 1" in err["message"] and "tolerance" in err["message"]
+        assert reg.current.version == 0 and backend.unloaded == ["policy-v1"]
+        # The gate still waits for version 1: a retried publish (the adapter written again) opens it.
+        assert (await client.get("/policy")).json()["gate_waiting_for"] == 1
+        retry = publish_body(1, make_adapter(tmp_path, "a1-again")) | {"probe": probe(1)}
+        assert (await client.post("/policy/publish", json=retry)).status_code == 200
+        assert reg.current.version == 1
+        assert (await client.get("/policy")).json()["gate_waiting_for"] is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"prompts": [[3, 4]]},
+        {"top_logprobs": [{"1": 0.5}, {"1": -0.1}]},
+        {"top_logprobs": [{"1": float("nan")}, {"1": -0.1}]},
+        {"top_logprobs": [{}, {"1": -0.1}]},
+        {"tolerance": 0},
+        {"prompts": [[], [1]]},
+    ],
+)
+async def test_malformed_probes_are_a_400(tmp_path, bad):
+    client, _ = client_for(ProbedBackend())
+    async with client:
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": probe(1) | bad}
+        r = await client.post("/policy/publish", content=json.dumps(body, allow_nan=True))
+        assert r.status_code == 400, r.text

@@ -138,8 +138,16 @@ def test_summary_idle_share_and_rewards():
         for i, r in enumerate([0.1, 0.2, 0.3, 0.9, 1.0, 1.0], start=1)
     ]
     s = summarize(rows)
-    assert s["idle_share"] == 0.25 and s["reward_first3"] == pytest.approx(0.2)
+    assert s["idle_share"] == pytest.approx(0.25) and s["reward_first3"] == pytest.approx(0.2)
     assert s["reward_last3"] == pytest.approx(2.9 / 3) and s["publish_s_median"] == 0.1
+    assert s["step_reaching_reward_0.8"] == 4 and s["wall_s_to_reward_0.8"] == 8.0
+    # Publishes overlapped with the next batch's wait are off the trainer's path: the idle share counts only
+    # what neither trains nor publishes inline.
+    for r in rows:
+        r.update({"time/publish_overlapped": 1.0, "time/step_s": 1.9, "publish/verify_s": 0.01})
+    s = summarize(rows)
+    assert s["idle_share"] == pytest.approx(0.5 / 1.9) and s["publish_share"] == 0.0
+    assert s["verify_share_of_publish"] == pytest.approx(0.1) and s["publish_overlapped_share"] == 1.0
 
 
 def test_metrics_writer_with_wandb_offline(tmp_path, monkeypatch):

@@ -26,6 +26,7 @@ TOOLS = {  # sub-command -> module whose main(argv) it runs
     "bench": "trainer.orchestration.bench",
     "bench-gateway": "trainer.orchestration.gateway_bench",
     "soak": "trainer.orchestration.soak",
+    "bench-onpolicy": "trainer.orchestration.onpolicy_bench",
 }
 
 

@@ -1,0 +1,125 @@
+"""On-policy benchmark: the toy loop at several staleness bounds, with the on-policy gate on and off, as one JSON.
+
+    python -m trainer bench-onpolicy                                   # staleness 0, 1, 3 x gate on, off; 30 steps
+    python -m trainer bench-onpolicy --staleness 0 --gates on --steps 12
+
+Runs `launch.sh toy` (configs/tiny_cpu.yaml unless --config) once per (max_staleness, gate) pair, one after
+another (the runs share the machine's cores), and summarises each run's metrics.jsonl (trainer/orchestration/
+summary.py): stale fraction, steps per minute, wall seconds to reward 0.8, trainer idle share, publish p50/p99
+and the verification's share of the publish. The first step of each run includes the environment's start and is
+left out of the timing figures (not of the stale fraction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.orchestration.commands import ROOT
+from trainer.orchestration.processes import stop_child
+from trainer.orchestration.summary import summarize
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer bench-onpolicy", description=__doc__)
+    p.add_argument("--staleness", default="0,1,3", help="comma-separated rollout.max_staleness values")
+    p.add_argument("--gates", default="on,off", help="comma-separated publish.gate values (on, off)")
+    p.add_argument("--steps", type=int, default=30, help="rollout.num_steps of each run")
+    p.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
+    p.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
+    p.add_argument("--out", help="folder for the runs (default: a new folder under runs/)")
+    p.add_argument("overrides", nargs="*", help="more run config overrides for every run")
+    return p.parse_args(argv)
+
+
+def run_one(args: argparse.Namespace, out: Path, staleness: int, gate: str) -> dict[str, Any]:
+    run_dir = out / f"staleness{staleness}-gate-{gate}"
+    cmd = [
+        "bash",
+        str(ROOT / "launch.sh"),
+        "toy",
+        "--config",
+        args.config,
+        f"trainer.output_dir={run_dir}",
+        f"rollout.max_staleness={staleness}",
+        f"publish.gate={gate}",
+        f"rollout.num_steps={args.steps}",
+        *args.overrides,
+    ]
+    started = time.monotonic()
+    with (out / f"{run_dir.name}.launch.log").open("w") as log:
+        launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = launcher.wait(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            stop_child(launcher, 120)
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
+    whole = summarize(rows)
+    timed = summarize(rows[1:]) if len(rows) > 1 else whole
+    steps_wall = sum(r["time/step_s"] for r in rows[1:])
+    return {
+        "max_staleness": staleness,
+        "gate": gate,
+        "launcher_exit_code": code,
+        "launch_wall_s": time.monotonic() - started,
+        "steps": whole["steps"],
+        "updates": whole["updates"],
+        "stale_fraction": whole["stale_fraction"],
+        "steps_without_update": whole["steps_without_update"],
+        "steps_per_minute": 60 * (len(rows) - 1) / steps_wall if steps_wall else None,
+        "wall_s_to_reward_0.8": whole["wall_s_to_reward_0.8"],
+        "step_reaching_reward_0.8": whole["step_reaching_reward_0.8"],
+        "reward_last3": whole["reward_last3"],
+        "trainer_idle_share": timed["idle_share"],
+        "publish_s_p50": timed["publish_s_median"],
+        "publish_s_p99": timed["publish_s_p99"],
+        "publish_overlapped_share": timed["publish_overlapped_share"],
+        "verify_s_median": timed["verify_s_median"],
+        "verify_share_of_publish": timed["verify_share_of_publish"],
+        "verify_max_abs_diff_max": whole["verify_max_abs_diff_max"],
+        "gateway_hold_s_median": timed["gateway_hold_s_median"],
+        "run_dir": str(run_dir),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    gates = [g.strip() for g in args.gates.split(",")]
+    if any(g not in ("on", "off") for g in gates):
+        print(f"bench-onpolicy: --gates takes on and off, got {args.gates!r}", file=sys.stderr)
+        return 2
+    staleness = [int(s) for s in args.staleness.split(",")]
+    out = Path(args.out or ROOT / "runs" / f"onpolicy-bench-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for s in staleness:
+        for gate in gates:
+            print(f"bench-onpolicy: max_staleness={s} gate={gate}", file=sys.stderr, flush=True)
+            results.append(run_one(args, out, s, gate))
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    print(
+        json.dumps(
+            {
+                "command": "python -m trainer bench-onpolicy "
+                + " ".join(argv if argv is not None else sys.argv[1:]),
+                "git": git.stdout.strip(),
+                "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+                "runs": results,
+            },
+            indent=2,
+        )
+    )
+    return 0 if all(r["launcher_exit_code"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -186,7 +186,10 @@ def write_private(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> None:
+def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> int:
+    """Everything a launch would start, and its memory plan; exit code 2 when the plan does not fit the GPU."""
+    from trainer.orchestration.preflight import plan_memory
+
     placement, address = place_on_slurm(cfg, job, preview=True) if job is not None else (None, None)
     print(yaml.safe_dump(redacted(cfg.model_dump(mode="json")), sort_keys=False), end="")
     print("# gateway.yaml (the gateway's own config, validated by it):")
@@ -207,6 +210,25 @@ def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> None:
         print("# commands (srun steps, run concurrently with --overlap):")
     for comp in build_components(cfg, run_dir, cfg.model.path, placement, job.job_id if job else 0):
         print(f"{comp.name}: {' '.join(shlex.quote(a) for a in comp.argv)}")
+    lines, problems = plan_memory(cfg, cfg.model.path, gateway, dry_run=True)
+    print("".join(f"# {line}\n" for line in lines), end="", flush=True)
+    if problems:
+        print(
+            "launch.sh: a launch would refuse this config:\n  - " + "\n  - ".join(problems), file=sys.stderr
+        )
+        return 2
+    return 0
+
+
+def check_memory(cfg: RunConfig, model_path: str) -> None:
+    """Print the memory plan; refuse (before anything starts) a CUDA config that cannot fit its GPU."""
+    from trainer.orchestration.preflight import plan_memory
+
+    gateway = gateway_section(cfg, model_path) if cfg.launch.backend == "local" else None
+    lines, problems = plan_memory(cfg, model_path, gateway, dry_run=False)
+    print("\n".join(lines), flush=True)
+    if problems:
+        raise ConfigError("the config does not fit its GPU:\n  - " + "\n  - ".join(problems))
 
 
 def write_run_folder(cfg: RunConfig, run_dir: Path, model_path: str, job: SlurmJob | None) -> list[Component]:
@@ -260,8 +282,7 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
 
 def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: SlurmJob | None = None) -> int:
     if dry_run:
-        print_dry_run(cfg, run_dir, job)
-        return 0
+        return print_dry_run(cfg, run_dir, job)
     done = read_latest(run_dir) if resumed else None
     if done is not None and done[1].step >= cfg.rollout.num_steps:
         print(
@@ -271,6 +292,7 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
         )
         return 0
     model_path = preflight(cfg)
+    check_memory(cfg, model_path)
     components = write_run_folder(cfg, run_dir, model_path, job)
     stopping = {"signal": 0}
 

@@ -277,6 +277,12 @@ class LaunchConfig(_Section):
         description="restarts of each component (trainer, run-api, an environment, the gateway) the launcher "
         "makes within any hour before it gives up and stops the run; 0 = a death ends the run",
     )
+    gpu_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="memory of each GPU for the launcher's memory plan, GiB; None = read from the GPU at launch "
+        "(a dry run on a machine without one then prints the plan without checking the fit)",
+    )
     slurm_port_base: int = Field(
         20000,
         ge=1024,

@@ -1,0 +1,551 @@
+"""Expected peak GPU memory of a run config, for the trainer and for vLLM, and whether they fit one GPU.
+
+Pure arithmetic on the run config and the model's config.json (a Llama/Qwen/Mistral-style decoder): no torch, no
+GPU, no network. The launcher prints the plan on --dry-run and refuses, before anything starts, a CUDA config
+that cannot fit, naming the knob to turn. The activation terms count the tensors autograd keeps for the code as
+it is (trainer/backends/local.py, trainer/training/logprobs.py, PEFT's LoRA Linear, transformers' Llama layers);
+tests/test_memory_plan.py checks them against measured peaks on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.training.config import RunConfig
+
+GiB = 2**30
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = ATTENTION_PROJECTIONS + MLP_PROJECTIONS  # PEFT's all-linear on these models (lm_head excluded)
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "bf16": 2, "fp16": 2, "float32": 4, "float": 4}
+# Allowances, not derived: a CUDA context with torch's kernels loaded (~0.5 GiB on an H100), cuBLAS workspaces and
+# the caching allocator's rounding and fragmentation for the trainer; for vLLM the same context plus CUDA graphs,
+# the sampler's buffers and NCCL. They are round numbers to keep a margin, not measurements.
+TRAINER_CUDA_ALLOWANCE = 1 * GiB
+VLLM_RUNTIME_ALLOWANCE = 2 * GiB
+VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's own default for --gpu-memory-utilization
+VLLM_BLOCK_TOKENS = 16  # KV cache is allocated in blocks of this many tokens
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on in a decoder-only transformer's config.json."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_positions: int | None = None
+    dtype: str | None = None  # torch_dtype/dtype in config.json: what vLLM's --dtype auto serves
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
+        text = (
+            config.get("text_config") or config
+        )  # multimodal wrappers keep the decoder's keys in text_config
+        heads = int(text["num_attention_heads"])
+        hidden = int(text["hidden_size"])
+        model_type = str(text.get("model_type", ""))
+        return cls(
+            hidden=hidden,
+            intermediate=int(text["intermediate_size"]),
+            layers=int(text["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            vocab=int(text["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            attention_bias=bool(text.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type.startswith("qwen3"),
+            max_positions=text.get("max_position_embeddings"),
+            dtype=text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype"),
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each projection in one layer, and of lm_head."""
+        h, i = self.hidden, self.intermediate
+        return {
+            "q_proj": (h, self.q_dim),
+            "k_proj": (h, self.kv_dim),
+            "v_proj": (h, self.kv_dim),
+            "o_proj": (self.q_dim, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+            "lm_head": (h, self.vocab),
+        }
+
+    def parameter_count(self) -> int:
+        shapes = self.linear_shapes()
+        per_layer = sum(a * b for name, (a, b) in shapes.items() if name != "lm_head") + 2 * self.hidden
+        if self.attention_bias:
+            per_layer += self.q_dim + 2 * self.kv_dim
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.layers * per_layer + self.hidden + embeddings
+
+
+def lora_targets(cfg: RunConfig) -> list[str]:
+    if cfg.lora.target_modules == "all-linear":
+        return list(ALL_LINEAR)
+    return [m for m in (*ALL_LINEAR, "lm_head") if m in cfg.lora.target_modules]
+
+
+@dataclass
+class Part:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class ProcessPlan:
+    parts: list[Part] = field(default_factory=list)
+
+    def add(self, name: str, nbytes: float, note: str = "") -> None:
+        self.parts.append(Part(name, int(nbytes), note))
+
+    @property
+    def total(self) -> int:
+        return sum(p.bytes for p in self.parts)
+
+    def get(self, prefix: str) -> int:
+        return sum(p.bytes for p in self.parts if p.name.startswith(prefix))
+
+
+def dtype_bytes(name: str) -> int:
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {name!r} for the memory plan")
+    return DTYPE_BYTES[name]
+
+
+def trainer_dtype(cfg: RunConfig, on_cuda: bool) -> str:
+    if cfg.model.dtype == "auto":
+        return "bfloat16" if on_cuda else "float32"
+    return cfg.model.dtype
+
+
+def lora_parameter_count(shape: ModelShape, cfg: RunConfig) -> tuple[int, int]:
+    """(parameters, tensors) of the LoRA adapter: A is r x in, B is out x r, per targeted module."""
+    shapes, r = shape.linear_shapes(), cfg.lora.rank
+    params = tensors = 0
+    for name in lora_targets(cfg):
+        fan_in, fan_out = shapes[name]
+        count = 1 if name == "lm_head" else shape.layers
+        params += count * r * (fan_in + fan_out)
+        tensors += 2 * count
+    return params, tensors
+
+
+def compute_layer_saved_bytes(
+    shape: ModelShape, cfg: RunConfig, tokens: int, b: int, input_grad: bool
+) -> float:
+    """Bytes autograd keeps for one decoder layer's backward over `tokens` padded tokens (b: bytes per base
+    element). LoRA weights are fp32 (local.py), so over a bf16 base PEFT casts each adapted module's input to an
+    fp32 copy that it keeps; over an fp32 base the inputs themselves are kept, shared between modules."""
+    n, h, i, qd = tokens, shape.hidden, shape.intermediate, shape.q_dim
+    targets = [t for t in lora_targets(cfg) if t != "lm_head"]
+    seq = min(cfg.trainer.max_seq_len, tokens)
+    eager = cfg.model.attn_implementation == "eager"
+    flash = (cfg.model.attn_implementation or "").startswith("flash")
+    # RMSNorm keeps its input as fp32 (a copy over bf16) and the per-token rsqrt; layer 0's input needs no grad.
+    saved = (2 if input_grad else 1) * (n * h * 4 + n * 4)
+    # q and k after RoPE, v; transformers repeats k and v per query head when a padding mask is passed to sdpa.
+    saved += n * (qd + 2 * (shape.kv_dim if flash else qd)) * b
+    if eager:
+        probs = n * shape.heads * seq  # [B, heads, T, T]: softmax in fp32, cast back for the product with v
+        saved += probs * (4 + (b if b != 4 else 0))
+    elif not flash:
+        # Output, log-sum-exp, and the padding mask as sdpa converts it to the model's dtype, once per layer.
+        saved += n * qd * b + n * shape.heads * 4 + n * seq * b
+    else:
+        saved += n * qd * b + n * shape.heads * 4
+    saved += 3 * n * i * b  # gate (SiLU's input), SiLU's output and up (both kept by their product)
+    shapes = shape.linear_shapes()
+    if b == 4:  # inputs kept once, whichever adapted modules read them
+        if {"q_proj", "k_proj", "v_proj"} & set(targets):
+            saved += n * h * 4
+        if "o_proj" in targets and eager:
+            saved += (
+                n * qd * 4
+            )  # eager's [B, T, heads x head_dim] copy; sdpa's output already has that layout
+        if {"gate_proj", "up_proj"} & set(targets):
+            saved += n * h * 4
+        if "down_proj" in targets:
+            saved += n * i * 4
+    else:
+        saved += sum(n * shapes[t][0] * 4 for t in targets)
+    saved += len(targets) * n * cfg.lora.rank * 4  # lora_A outputs, kept for lora_B's gradient
+    return saved
+
+
+def compute_activation_bytes(
+    shape: ModelShape, cfg: RunConfig, b: int, checkpointing: bool
+) -> dict[str, float]:
+    """Peak bytes above weights, adapter, gradients and optimizer state during one micro-batch's forward and
+    backward at trainer.micro_batch_tokens padded tokens (all of them trained: the worst case)."""
+    n = cfg.trainer.micro_batch_tokens
+    h, i, L = shape.hidden, shape.intermediate, shape.layers
+    seq = min(cfg.trainer.max_seq_len, n)
+    # Kept through the whole backward: the bool padding mask, the final norm's input, and the trained positions'
+    # hidden states that the logprob chunks read (index_select's copy).
+    common = float(n * seq + (n * h * 4 + n * 4) + n * h * b)
+    layer = compute_layer_saved_bytes(shape, cfg, n, b, input_grad=True)
+    if checkpointing:
+        kept = common + L * n * h * b  # each layer's input, kept by its checkpoint
+        # Backward recomputes one layer at a time: its saved tensors exist again while its gradients flow (over
+        # an fp32 base, the first norm keeps the checkpointed input itself, already counted).
+        layer_peak = kept + layer - (n * h * 4 if b == 4 else 0)
+    else:
+        kept = common + (L - 1) * layer + compute_layer_saved_bytes(shape, cfg, n, b, input_grad=False)
+        layer_peak = kept
+    # Gradients in flight inside one layer's backward, at its largest step (the MLP): each kept input is freed as
+    # its gradient appears, leaving one [n, intermediate] gradient ahead; over a bf16 base the LoRA path's fp32
+    # gradient of its input copy comes on top. Plus the residual stream's gradient.
+    layer_peak += n * i * (4 if b == 4 else 8) + 2 * n * h * b
+    chunk = min(cfg.trainer.logprob_chunk_tokens, n)
+    # One chunk's fp32 logits while its backward runs: four [chunk, vocab] fp32 tensors at the worst moment (the
+    # recomputed scaled logits kept by logsumexp, the softmax-shaped gradient, the gather's scattered gradient
+    # and their sum); over bf16 the head's own output is freed once cast, before the backward's tensors appear.
+    logits = chunk * shape.vocab * 4 * 4
+    if "lm_head" in lora_targets(cfg):
+        logits += chunk * (h * 4 + cfg.lora.rank * 4)
+    logprob_peak = kept + n * h * b + logits  # last_hidden_state is alive during the forward's chunks
+    return {"layers": float(layer_peak), "logprobs": float(logprob_peak), "kept": float(kept)}
+
+
+def build_trainer_plan(
+    shape: ModelShape, cfg: RunConfig, on_cuda: bool
+) -> tuple[ProcessPlan, dict[str, int]]:
+    """The trainer's peak on one rank, part by part; also the activation peak with checkpointing on and off."""
+    dtype = trainer_dtype(cfg, on_cuda)
+    b = dtype_bytes(dtype)
+    lora_params, lora_tensors = lora_parameter_count(shape, cfg)
+    by_mode = {}
+    for checkpointing in (False, True):
+        act = compute_activation_bytes(shape, cfg, b, checkpointing)
+        by_mode[checkpointing] = int(max(act["layers"], act["logprobs"]))
+    plan = ProcessPlan()
+    plan.add(f"base weights ({dtype})", shape.parameter_count() * b)
+    plan.add("LoRA parameters (float32)", lora_params * 4, f"rank {cfg.lora.rank}")
+    plan.add("LoRA gradients (float32)", lora_params * 4)
+    plan.add("Adam moments (2 x float32)", 2 * lora_params * 4 + 4 * lora_tensors)
+    if cfg.distributed.world_size > 1:
+        plan.add("DDP gradient buckets", lora_params * 4)
+    on = cfg.model.gradient_checkpointing
+    plan.add(
+        f"activations, checkpointing {'on' if on else 'off'}",
+        by_mode[on],
+        f"{cfg.trainer.micro_batch_tokens} tokens x {shape.layers} layers, logprob chunks of "
+        f"{min(cfg.trainer.logprob_chunk_tokens, cfg.trainer.micro_batch_tokens)} x {shape.vocab} included; "
+        f"checkpointing {'off' if on else 'on'}: {by_mode[not on] / GiB:.2f} GiB",
+    )
+    if on_cuda:
+        plan.add("CUDA context, workspaces, allocator slack", TRAINER_CUDA_ALLOWANCE, "an allowance")
+    return plan, {"checkpointing_off": by_mode[False], "checkpointing_on": by_mode[True]}
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """What the plan reads from the gateway's config, as `python -m inference.config` completes it (every key
+    present); inference.vllm_backend builds vLLM's argv from the same keys."""
+
+    dtype: str
+    max_lora_rank: int
+    max_loras: int
+    max_model_len: int | None
+    gpu_memory_utilization: float | None
+    kv_cache_memory_bytes: int | None
+    max_num_batched_tokens: int | None
+    max_num_seqs: int | None
+    kv_cache_dtype: str | None
+
+    @classmethod
+    def from_gateway(cls, gateway: dict[str, Any]) -> VLLMSettings:
+        v = gateway["vllm"]
+        extra = [str(a) for a in v["extra_args"]]
+
+        def flag(name: str) -> str | None:
+            for k, arg in enumerate(extra):
+                if arg == name and k + 1 < len(extra):
+                    return extra[k + 1]
+                if arg.startswith(name + "="):
+                    return arg.split("=", 1)[1]
+            return None
+
+        batched, seqs = flag("--max-num-batched-tokens"), flag("--max-num-seqs")
+        return cls(
+            dtype=str(v["dtype"]),
+            max_lora_rank=int(v["max_lora_rank"]),
+            max_loras=int(gateway["max_staleness"]) + 2,  # GatewayConfig.max_loras, passed as --max-loras
+            max_model_len=v["max_model_len"],
+            gpu_memory_utilization=v["gpu_memory_utilization"],
+            kv_cache_memory_bytes=v["kv_cache_memory_bytes"],
+            max_num_batched_tokens=int(batched) if batched else None,
+            max_num_seqs=int(seqs) if seqs else None,
+            kv_cache_dtype=flag("--kv-cache-dtype"),
+        )
+
+
+def build_vllm_plan(
+    shape: ModelShape, cfg: RunConfig, v: VLLMSettings, gpu_bytes: int | None
+) -> tuple[ProcessPlan, dict[str, int]]:
+    """vLLM's share of a GPU: weights, LoRA slots (preallocated for max_loras adapters at max_lora_rank in every
+    linear layer), its profiling run's activations, an allowance, and the KV cache that is left."""
+    dtype = v.dtype if v.dtype != "auto" else str(shape.dtype or "bfloat16")
+    b = dtype_bytes(dtype)
+    plan = ProcessPlan()
+    plan.add(f"weights ({dtype})", shape.parameter_count() * b)
+    shapes = shape.linear_shapes()
+    slot_modules = [m for m in ALL_LINEAR] + (["lm_head"] if "lm_head" in lora_targets(cfg) else [])
+    per_slot = sum(
+        (1 if m == "lm_head" else shape.layers) * v.max_lora_rank * sum(shapes[m]) for m in slot_modules
+    )
+    plan.add("LoRA slots", v.max_loras * per_slot * b, f"{v.max_loras} x rank {v.max_lora_rank}")
+    big_gpu = gpu_bytes is not None and gpu_bytes >= 70 * GiB
+    tokens = v.max_num_batched_tokens or (8192 if big_gpu else 2048)  # vLLM's server defaults
+    seqs = v.max_num_seqs or (1024 if big_gpu else 256)
+    # The profiling run: one layer's widest tensors at `tokens`, and fp32 logits (and probabilities) of the
+    # sampled positions. An estimate; vLLM measures its own and sizes the KV cache from what it saw.
+    layer = tokens * (2 * shape.intermediate + shape.q_dim + 2 * shape.kv_dim + 2 * shape.hidden) * b
+    plan.add(
+        "activations (profiling run)", layer + 2 * seqs * shape.vocab * 4, f"{tokens} tokens, {seqs} seqs"
+    )
+    plan.add("CUDA context, CUDA graphs, sampler (allowance)", VLLM_RUNTIME_ALLOWANCE)
+    kv_b = 1 if (v.kv_cache_dtype or "").startswith("fp8") else b
+    per_token = 2 * shape.layers * shape.kv_dim * kv_b
+    max_len = v.max_model_len or shape.max_positions or cfg.rollout.max_token_length
+    one_seq = -(-max_len // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * per_token
+    fixed = plan.total
+    if v.kv_cache_memory_bytes is not None:
+        kv = v.kv_cache_memory_bytes
+        budget = fixed + kv
+    elif gpu_bytes is not None:
+        budget = int(gpu_bytes * (v.gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION))
+        kv = budget - fixed
+    else:
+        kv, budget = 0, 0
+    if v.kv_cache_memory_bytes is not None or gpu_bytes is not None:
+        note = f"{max(kv, 0) // per_token} tokens = {max(kv, 0) / one_seq:.1f} x max_model_len {max_len}"
+        plan.add("KV cache", kv, note)
+    return plan, {"budget": budget, "kv": kv, "one_sequence": one_seq, "fixed": fixed, "max_len": max_len}
+
+
+@dataclass
+class MemoryPlan:
+    shape: ModelShape
+    trainer: ProcessPlan
+    activations: dict[str, int]  # the trainer's activation peak with checkpointing off and on
+    vllm: ProcessPlan | None  # None when Tinker samples
+    vllm_facts: dict[str, int]
+    gpu_bytes: int | None  # per GPU: stated (launch.gpu_memory_gib) or read from the device
+    on_cuda: bool
+    shared_replicas: int  # vLLM replicas on a GPU the trainer also uses
+
+
+def count_shared_replicas(cfg: RunConfig, gateway: dict[str, Any]) -> int:
+    """vLLM replicas placed on a GPU one of the trainer's ranks uses, by CUDA_VISIBLE_DEVICES entries (unset =
+    device 0 for vLLM, devices 0..nproc_per_node-1 for the trainer). Under SLURM the gateway and the trainer's
+    first ranks share the first node, so the same comparison holds there."""
+    if cfg.distributed.devices:
+        trainer = {d.strip() for d in cfg.distributed.devices.split(",")}
+    else:
+        trainer = {str(k) for k in range(cfg.distributed.nproc_per_node)}
+    v = gateway["vllm"]
+    devices = v["replica_devices"] or ["0"] * int(v["replicas"])
+    return sum(1 for d in devices if {x.strip() for x in str(d).split(",")} & trainer)
+
+
+def build_memory_plan(
+    cfg: RunConfig,
+    model_config: dict[str, Any],
+    gateway: dict[str, Any] | None,
+    gpu_bytes: int | None,
+    on_cuda: bool,
+) -> MemoryPlan:
+    shape = ModelShape.from_config(model_config)
+    trainer, activations = build_trainer_plan(shape, cfg, on_cuda)
+    vllm: ProcessPlan | None = None
+    facts: dict[str, int] = {}
+    shared = 0
+    if gateway is not None and cfg.launch.backend == "local":
+        vllm, facts = build_vllm_plan(shape, cfg, VLLMSettings.from_gateway(gateway), gpu_bytes)
+        shared = count_shared_replicas(cfg, gateway)
+    return MemoryPlan(shape, trainer, activations, vllm, facts, gpu_bytes, on_cuda, shared)
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
+
+
+def check_fit(plan: MemoryPlan, cfg: RunConfig, gateway: dict[str, Any] | None) -> list[str]:
+    """Why the config cannot fit its GPUs, one problem per line naming the knobs; empty when it fits or when
+    nothing is known to check (no CUDA, or no GPU size)."""
+    if not plan.on_cuda or plan.gpu_bytes is None:
+        return []
+    gpu, problems = plan.gpu_bytes, []
+    vllm_share = 0
+    if plan.vllm is not None and gateway is not None:
+        f, v = plan.vllm_facts, VLLMSettings.from_gateway(gateway)
+        vllm_share = f["budget"]
+        if v.kv_cache_memory_bytes is None:
+            util = v.gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION
+            if f["kv"] < f["one_sequence"]:
+                need = (f["fixed"] + f["one_sequence"]) / gpu
+                problems.append(
+                    f"vLLM needs {gib(f['fixed'])} before its KV cache plus {gib(f['one_sequence'])} for one "
+                    f"max_model_len={f['max_len']} sequence, but inference.vllm.gpu_memory_utilization={util} "
+                    f"gives it {gib(f['budget'])} of the {gib(gpu)} GPU: raise it to at least {need:.2f}, or lower "
+                    "inference.vllm.max_model_len (or inference.max_staleness / inference.vllm.max_lora_rank "
+                    "for fewer, smaller LoRA slots)"
+                )
+        elif f["kv"] < f["one_sequence"]:
+            problems.append(
+                f"inference.vllm.kv_cache_memory_bytes={f['kv']} holds less than one max_model_len={f['max_len']} "
+                f"sequence ({f['one_sequence']} bytes): raise it, or lower inference.vllm.max_model_len"
+            )
+        if not plan.shared_replicas and f["budget"] > gpu:
+            problems.append(f"vLLM needs {gib(f['budget'])} on a {gib(gpu)} GPU")
+    left = gpu - plan.shared_replicas * vllm_share
+    if plan.trainer.total > left:
+        where = (
+            f"vLLM takes {gib(plan.shared_replicas * vllm_share)} of the {gib(gpu)} GPU it shares with the "
+            f"trainer, leaving {gib(left)}"
+            if plan.shared_replicas
+            else f"its GPU has {gib(gpu)}"
+        )
+        problems.append(
+            f"the trainer needs {gib(plan.trainer.total)} but {where}: "
+            + "; ".join(trainer_fixes(plan, cfg, gateway))
+        )
+    return problems
+
+
+def trainer_fixes(plan: MemoryPlan, cfg: RunConfig, gateway: dict[str, Any] | None) -> list[str]:
+    """Knobs that would make the trainer fit, each with the value that does it where one exists."""
+    assert plan.gpu_bytes is not None
+    gpu, fixes = plan.gpu_bytes, []
+    act_now = plan.activations[
+        "checkpointing_on" if cfg.model.gradient_checkpointing else "checkpointing_off"
+    ]
+    others = plan.trainer.total - act_now
+    left = gpu - plan.shared_replicas * plan.vllm_facts.get("budget", 0)
+    if not cfg.model.gradient_checkpointing:
+        verdict = "fits" if others + plan.activations["checkpointing_on"] <= left else "not enough alone"
+        fixes.append(
+            f"set model.gradient_checkpointing=true (activations {gib(plan.activations['checkpointing_on'])} "
+            f"instead of {gib(act_now)}: {verdict})"
+        )
+    best = largest_fitting_micro_batch(plan, cfg, left)
+    if best is not None:
+        fixes.append(
+            f"lower trainer.micro_batch_tokens from {cfg.trainer.micro_batch_tokens} to {best} or less"
+        )
+    else:
+        fixes.append(
+            f"lower trainer.max_seq_len ({cfg.trainer.max_seq_len}; micro-batches of one sequence do not fit) "
+            "or trainer.logprob_chunk_tokens"
+        )
+    v = VLLMSettings.from_gateway(gateway) if gateway is not None else None
+    if plan.shared_replicas and v is not None and v.kv_cache_memory_bytes is None:
+        room = (gpu - plan.trainer.total) / gpu / plan.shared_replicas
+        if gpu * room >= plan.vllm_facts["fixed"] + plan.vllm_facts["one_sequence"]:
+            fixes.append(f"lower inference.vllm.gpu_memory_utilization to {room:.2f} or less")
+    if plan.shared_replicas:
+        fixes.append("or give vLLM its own GPU (inference.vllm.replica_devices, distributed.devices)")
+    return fixes
+
+
+def largest_fitting_micro_batch(plan: MemoryPlan, cfg: RunConfig, left: int) -> int | None:
+    """The largest trainer.micro_batch_tokens (>= max_seq_len, in steps of 256) whose plan fits in `left`."""
+    others = plan.trainer.total - max(
+        plan.activations["checkpointing_on" if cfg.model.gradient_checkpointing else "checkpointing_off"], 0
+    )
+    b = dtype_bytes(trainer_dtype(cfg, plan.on_cuda))
+
+    def fits(tokens: int) -> bool:
+        trial = cfg.model_copy(deep=True)
+        trial.trainer.micro_batch_tokens = tokens
+        act = compute_activation_bytes(plan.shape, trial, b, cfg.model.gradient_checkpointing)
+        return others + max(act["layers"], act["logprobs"]) <= left
+
+    lo, hi = cfg.trainer.max_seq_len, cfg.trainer.micro_batch_tokens
+    if not fits(lo):
+        return None
+    while hi - lo > 256:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo // 256 * 256 if lo >= 256 else lo
+
+
+def format_plan(plan: MemoryPlan, gpu_source: str) -> list[str]:
+    """The plan as a table: part, GiB, note."""
+    s = plan.shape
+    lines = [
+        f"memory plan (GiB = 2^30 bytes; model: {s.layers} layers, hidden {s.hidden}, intermediate "
+        f"{s.intermediate}, {s.heads}/{s.kv_heads} heads, vocab {s.vocab}; {s.parameter_count() / 1e9:.2f}B "
+        "parameters)"
+    ]
+    sections = [("trainer, per rank", plan.trainer)]
+    if plan.vllm is not None:
+        sections.append(("vLLM, per replica", plan.vllm))
+    for title, proc in sections:
+        lines.append(f"  {title}:")
+        for p in proc.parts:
+            lines.append(f"    {p.name:<46}{p.bytes / GiB:>9.2f}" + (f"   {p.note}" if p.note else ""))
+        lines.append(f"    {'total':<46}{proc.total / GiB:>9.2f}")
+    if not plan.on_cuda:
+        lines.append("  on CPU: the plan is for information; nothing is checked")
+    elif plan.gpu_bytes is None:
+        lines.append("  GPU size unknown (no GPU here): state launch.gpu_memory_gib=80 to check the fit")
+    else:
+        vllm = plan.shared_replicas * (plan.vllm_facts.get("budget", 0))
+        shared = f" + vLLM {gib(vllm)} ({plan.shared_replicas} replica(s) on the same GPU)" if vllm else ""
+        lines.append(
+            f"  on one {gib(plan.gpu_bytes)} GPU ({gpu_source}): trainer {gib(plan.trainer.total)}{shared} = "
+            f"{gib(plan.trainer.total + vllm)}"
+        )
+    return lines
+
+
+def load_model_config(path: str) -> dict[str, Any] | None:
+    """config.json of a local folder, the offline tiny model, or a hub id in the local HF cache (None if none)."""
+    if path == "tiny":
+        from trainer.backends.tiny_model import MODEL_SHAPE, VOCAB_SIZE
+
+        return {
+            **MODEL_SHAPE,
+            "vocab_size": VOCAB_SIZE,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }
+    folder = Path(path)
+    if (folder / "config.json").is_file():
+        return dict(json.loads((folder / "config.json").read_text()))
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "config.json")
+    except Exception:  # not a valid repo id
+        return None
+    if isinstance(cached, str):
+        return dict(json.loads(Path(cached).read_text()))
+    return None

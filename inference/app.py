@@ -120,9 +120,8 @@ class Gateway:
         self.publish_lock = asyncio.Lock()
         self.cleanup_lock = asyncio.Lock()
         self.lane = SoloLane()  # prompt-logprob requests run alone in vLLM (inference/lanes.py)
-        self.gate = (
-            Gate()
-        )  # holds new requests while the trainer publishes the next version (inference/gate.py)
+        # Holds new requests while the trainer publishes the next version (inference/gate.py).
+        self.gate = Gate(lambda: registry.in_flight().get(registry.current.version, 0))
         self.stats = RequestStats()
         self.stop_notices = LogLimiter(burst=1, window_s=60.0)  # one INFO line per route and minute
 
@@ -164,15 +163,14 @@ class Gateway:
         return hmac.compare_digest(given.encode(), f"Bearer {self.cfg.publish_token}".encode())
 
     async def run(
-        self, coro_fn: Any, request: Request | None = None, solo: bool = False
+        self, coro_fn: Any, request: Request | None = None, solo: bool = False, n: int = 1
     ) -> tuple[Any, Policy]:
         """Run a backend call on the current policy, keeping that policy loaded until the call returns. With the
         client's `request`, the call is cancelled (and vLLM aborts its work) when the client goes away; `solo`
         runs it alone in the engine (inference/lanes.py)."""
         if not self.backend.ready and self.backend.state in ("failed", "stopped"):
             raise BackendError(503, f"sampling backend is {self.backend.state}")
-        if self.gate.waiting_for is not None:
-            await (self.gate.wait() if request is None else until_disconnect(request, self.gate.wait()))
+        await (self.gate.wait(n) if request is None else until_disconnect(request, self.gate.wait(n)))
         async with self.lane.enter(solo):
             return await self._run_on_current(coro_fn, request)
 
@@ -184,6 +182,7 @@ class Gateway:
             return await until_disconnect(request, coro_fn(policy)), policy
         finally:
             self.registry.release(policy)
+            self.gate.request_done()
             if self.registry.removable():
                 asyncio.get_running_loop().create_task(self.unload_stale())
 
@@ -428,7 +427,7 @@ def sampling_routes(gw: Gateway) -> APIRouter:
         gw.note_moved_stop_ids("/generate", moved)
         gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
         solo = req.sampling.get("prompt_logprobs") is not None
-        samples, policy = await gw.run(lambda p: backend.sample(req, p), request, solo)
+        samples, policy = await gw.run(lambda p: backend.sample(req, p), request, solo, req.n)
         check_prompt_logprobs(req, samples)
         for s in samples:
             gw.record(req.prompt_token_ids, s.token_ids, policy)
@@ -485,13 +484,24 @@ async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse
     check_openai_body(gw, body)
     body.setdefault("return_token_ids", True)  # lets the ledger record what was sampled
     solo = body.get("prompt_logprobs") is not None or bool(body.get("echo"))  # both score the prompt
-    result, policy = await gw.run(lambda p: gw.backend.forward(path, body, p), request, solo)
+    result, policy = await gw.run(
+        lambda p: gw.backend.forward(path, body, p), request, solo, requested_sequences(body)
+    )
     for choice in result.get("choices", []):
         prompt_ids = choice.get("prompt_token_ids") or result.get("prompt_token_ids")
         if prompt_ids is not None and choice.get("token_ids") is not None:
             gw.record(list(prompt_ids), list(choice["token_ids"]), policy)
     result["policy_version"] = policy.version
     return respond(result, policy)
+
+
+def requested_sequences(body: dict[str, Any]) -> int:
+    """Completions an OpenAI body asks for: n per prompt (a completions body may hold several prompts)."""
+    n = body.get("n")
+    per_prompt = n if isinstance(n, int) and n > 0 else 1
+    prompt = body.get("prompt")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 1
+    return per_prompt * prompts
 
 
 def policy_routes(gw: Gateway) -> APIRouter:
@@ -519,6 +529,7 @@ def policy_routes(gw: Gateway) -> APIRouter:
             req = ExpectRequest.model_validate(await json_object(request))
         except ValidationError as exc:
             raise BackendError(400, validation_message(exc)) from exc
+        gw.gate.set_quota(req.quota, req.refill_s)
         if req.version > registry.current.version:
             gw.gate.close(req.version, req.hold_s)
             return ExpectResponse(holding_for=req.version)
@@ -554,6 +565,7 @@ def policy_routes(gw: Gateway) -> APIRouter:
             gate_holding=gw.gate.holding,
             gate_held_total=gw.gate.held_total,
             gate_expired_total=gw.gate.expired_total,
+            gate_refills_total=gw.gate.refills_total,
         )
         if gw.authorized(request):  # where vLLM listens and its PIDs are for the token's holders only
             state.backend_url = backend.url

@@ -2,10 +2,18 @@
 to publish instead of sampling on a policy that is about to be replaced (and whose rollouts the trainer would drop
 as stale at max_staleness 0).
 
-The trainer closes the gate when it takes a batch ("version v+1 is coming, hold for at most hold_s"); the publish
-of v+1 (or any publish: a rollback included) opens it. Requests already running are not touched: they finish on v.
-A trainer that dies with the gate closed cannot stall the environments for long: the gate opens by itself at the
-deadline, and the requests it held are served on whatever is current then. Pure asyncio, no I/O.
+- **Closed for a version.** The trainer closes the gate when it takes a batch ("version v+1 is coming, hold for at
+  most hold_s"); the publish of v+1 (or any publish: a rollback included) opens it. Requests already running are
+  not touched: they finish on v. A trainer that dies with the gate closed cannot stall the environments for long:
+  the gate opens by itself at the deadline, and what it held is served on whatever is current then.
+- **A quota per version.** Atropos environments decide how many groups to start from run-api's queue as they last
+  polled it, so they can start the whole next batch before the trainer has taken the current one; on v, those are
+  stale the moment v+1 is published. With a quota (the trainer's batch size, in sequences), once that many
+  sequences have been started on the current version, further requests wait for the next one too. An environment
+  that throws groups away (equal scores, failures) needs more than a batch: when nothing is running on the current
+  version and the trainer has not taken a batch within `refill_s`, the held requests go through on it after all.
+
+Pure asyncio, no I/O.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("inference.gate")
@@ -24,23 +33,31 @@ class GateSpell:
 
     version: int  # the version it waited for
     closed_s: float  # how long it was closed
-    held_requests: int  # requests that arrived while it was closed and waited
+    held_requests: int  # requests that arrived while it was closed (or over the quota) and waited
     expired: bool  # opened by its deadline, not by a publish
 
 
 class Gate:
-    def __init__(self) -> None:
-        self._open = asyncio.Event()
-        self._open.set()
+    def __init__(self, running_on_current: Callable[[], int] = lambda: 0) -> None:
+        self._running_on_current = running_on_current
+        self._cond = asyncio.Condition()
         self._waiting_for: int | None = None
         self._closed_at = 0.0
         self._held = 0  # requests held in the current spell
         self._holding_now = 0
-        self._timer: asyncio.TimerHandle | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        # The quota: sequences allowed on the current version (None: no limit), and how many were started.
+        self.quota: int | None = None
+        self.refill_s = 1.0
+        self._allowed: int | None = None
+        self._started = 0
+        self._over_quota = 0  # sequences waiting only for the quota
+        self._refill: asyncio.TimerHandle | None = None
         self.last: GateSpell | None = None
         self.held_total = 0
         self.hold_s_total = 0.0  # summed over held requests
         self.expired_total = 0
+        self.refills_total = 0
 
     @property
     def waiting_for(self) -> int | None:
@@ -51,17 +68,21 @@ class Gate:
         """Requests waiting at the gate now."""
         return self._holding_now
 
+    def set_quota(self, sequences: int | None, refill_s: float) -> None:
+        """From the next opening on, allow `sequences` per version (None: no quota)."""
+        self.quota, self.refill_s = sequences, refill_s
+
     def close(self, version: int, hold_s: float) -> None:
         """Hold new requests until `version` is published, for at most `hold_s` from now. Closing again (a retried
         call, or a newer version) restarts the deadline."""
         if self._waiting_for is None:
             self._closed_at = time.monotonic()
-            self._held = 0
+            self._held = self._holding_now  # those over the quota were already held for this version
         self._waiting_for = version
-        self._open.clear()
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(hold_s, self._expire, version, hold_s)
+        self._cancel_refill()
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = asyncio.get_running_loop().call_later(hold_s, self._expire, version, hold_s)
 
     def _expire(self, version: int, hold_s: float) -> None:
         if self._waiting_for != version:
@@ -77,30 +98,79 @@ class Gate:
         self.open(expired=True)
 
     def open(self, expired: bool = False) -> GateSpell | None:
-        """Let held and new requests through; the spell that ended, or None if the gate was open."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._waiting_for is None:
-            return None
-        spell = GateSpell(self._waiting_for, time.monotonic() - self._closed_at, self._held, expired)
-        self._waiting_for = None
-        self._open.set()
-        self.last = spell
+        """A new version is current (or none is coming): let requests through, with a fresh quota. Returns the
+        spell that ended, or None if the gate was not closed."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._cancel_refill()
+        self._allowed, self._started = self.quota, 0
+        spell = None
+        if self._waiting_for is not None:
+            spell = GateSpell(self._waiting_for, time.monotonic() - self._closed_at, self._held, expired)
+            self._waiting_for = None
+            self.last = spell
+        self._wake()
         return spell
 
-    async def wait(self) -> float:
-        """Return once the gate is open; the seconds this request was held."""
-        if self._open.is_set():
+    def _passable(self, n: int) -> bool:
+        if self._waiting_for is not None:
+            return False
+        # One request larger than the whole quota still goes through on a fresh version.
+        return self._allowed is None or self._started + n <= self._allowed or self._started == 0
+
+    async def wait(self, n: int = 1) -> float:
+        """Return once a request for `n` sequences may start; the seconds it was held."""
+        if self._passable(n):
+            self._started += n
             return 0.0
         started = time.monotonic()
         self._held += 1
         self.held_total += 1
         self._holding_now += 1
+        over_quota = self._waiting_for is None
+        self._over_quota += n if over_quota else 0
+        if over_quota:
+            self.request_done()  # nothing may be running to end and trigger the refill
         try:
-            await self._open.wait()
+            async with self._cond:
+                await self._cond.wait_for(lambda: self._passable(n))
+                self._started += n
         finally:
             self._holding_now -= 1
+            self._over_quota -= n if over_quota else 0
             held = time.monotonic() - started
             self.hold_s_total += held
         return held
+
+    def request_done(self) -> None:
+        """Called when a request ends: with nothing left running on the current version while requests wait over
+        the quota, the environment is short of a batch (it discarded groups); give the trainer `refill_s` to take
+        one, then let the held requests through on the current version."""
+        if self._waiting_for is not None or not self._over_quota or self._refill is not None:
+            return
+        if self._running_on_current():
+            return
+        self._refill = asyncio.get_running_loop().call_later(self.refill_s, self._do_refill)
+
+    def _do_refill(self) -> None:
+        self._refill = None
+        if self._waiting_for is not None or not self._over_quota or self._allowed is None:
+            return
+        if self._running_on_current():  # a request started meanwhile (one smaller than the quota's rest)
+            return
+        self.refills_total += 1
+        self._allowed = self._started + self._over_quota
+        self._wake()
+
+    def _cancel_refill(self) -> None:
+        if self._refill is not None:
+            self._refill.cancel()
+            self._refill = None
+
+    def _wake(self) -> None:
+        async def notify() -> None:
+            async with self._cond:
+                self._cond.notify_all()
+
+        asyncio.get_running_loop().create_task(notify())

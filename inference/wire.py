@@ -303,6 +303,14 @@ class ExpectRequest(BaseModel):
 
     version: StrictInt = Field(ge=0, le=2**62)
     hold_s: Annotated[Finite, Field(gt=0, le=3600)] = 120.0
+    quota: StrictInt | None = Field(
+        None,
+        ge=1,
+        le=2**31,
+        description="sequences allowed on each version from its publish on (the trainer's batch); further "
+        "requests wait for the next version, or for refill_s once nothing runs on the current one",
+    )
+    refill_s: Annotated[Finite, Field(gt=0, le=600)] = 1.0
 
 
 class ExpectResponse(BaseModel):
@@ -348,3 +356,4 @@ class PolicyStatus(BaseModel):
     gate_holding: int = 0
     gate_held_total: int = 0
     gate_expired_total: int = 0
+    gate_refills_total: int = 0  # times requests over the quota went through on the current version after all

@@ -171,3 +171,52 @@ async def test_malformed_probes_are_a_400(tmp_path, bad):
         body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": probe(1) | bad}
         r = await client.post("/policy/publish", content=json.dumps(body, allow_nan=True))
         assert r.status_code == 400, r.text
+
+
+async def test_quota_holds_the_next_batch_for_the_next_version_and_refills_when_short():
+    running = {"n": 0}
+    gate = Gate(lambda: running["n"])
+    gate.set_quota(16, refill_s=0.2)
+    gate.open()  # a fresh version with its quota
+    assert await gate.wait(8) == 0.0 and await gate.wait(8) == 0.0
+    over = asyncio.create_task(gate.wait(8))  # the environment starting the next batch early
+    await asyncio.sleep(0.05)
+    assert not over.done() and gate.holding == 1
+    # The trainer takes the batch and publishes: the early request samples the new version.
+    gate.close(2, hold_s=30)
+    await asyncio.sleep(0.3)  # no refill while the gate waits for a version
+    assert not over.done()
+    gate.open()
+    assert await over > 0.3
+    # An environment that discarded groups is short of a batch: with nothing running, a refill lets it go on.
+    await gate.wait(8)
+    running["n"] = 1
+    short = asyncio.create_task(gate.wait(16))
+    await asyncio.sleep(0.3)
+    assert not short.done()  # something still runs on this version: its group may complete the batch
+    running["n"] = 0
+    gate.request_done()
+    await asyncio.sleep(0.3)
+    assert short.done() and gate.refills_total == 1
+
+
+async def test_a_request_larger_than_the_quota_still_starts_on_a_fresh_version():
+    gate = Gate()
+    gate.set_quota(4, refill_s=1.0)
+    gate.open()
+    assert await gate.wait(64) == 0.0
+
+
+async def test_the_gateway_applies_the_quota_per_version(tmp_path):
+    client, _ = client_for(ScriptedBackend())
+    async with client:
+        r = await client.post("/policy/expect", json={"version": 0, "quota": 2, "refill_s": 30})
+        assert r.status_code == 200 and r.json()["holding_for"] is None
+        body = {"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 4, "n": 2}
+        assert (await client.post("/generate", json=body)).headers["x-policy-version"] == "0"
+        early = asyncio.create_task(client.post("/generate", json=body))
+        await asyncio.sleep(0.2)
+        assert not early.done()
+        await client.post("/policy/expect", json={"version": 1, "quota": 2, "refill_s": 30})
+        await client.post("/policy/publish", json=publish_body(1, make_adapter(tmp_path, "a1")))
+        assert (await early).headers["x-policy-version"] == "1"

@@ -35,6 +35,10 @@ REQUIRED = [
     "policy/staleness_mean",
     "policy/staleness_max",
     "rollouts/dropped_stale",
+    "rollouts/stale_fraction",
+    "rollouts/stale_fraction_cum",
+    "gateway/hold_s",
+    "publish/verify_max_abs_diff",
     "time/step_s",
     "time/wait_for_batch_s",
     "time/train_s",
@@ -103,6 +107,8 @@ def test_tiny_model_learns_the_toy_task_through_the_whole_stack(tmp_path):
 
 
 def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path):
+    """At max_staleness 0 the on-policy gate (on by default there) holds what the environment starts while the
+    trainer trains, so nothing sampled is thrown away as stale; every publish was verified before it served."""
     run_dir = tmp_path / "run"
     rc, out, _ = run_launch(launch_cmd(run_dir, "rollout.max_staleness=0", "rollout.num_steps=8"), 600)
     assert rc == 0, out[-3000:]
@@ -112,6 +118,10 @@ def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path):
     for row in trained:
         assert row["importance/logprob_diff_mean"] <= 1e-3, row
         assert row["policy/staleness_max"] == 0
+        assert row["publish/verify_max_abs_diff"] is not None and row["publish/verify_max_abs_diff"] < 1e-4, row
+        assert row["gateway/hold_s"] > 0, row  # the gate closed while the step trained and published
+    assert sum(r["rollouts/dropped_stale"] for r in rows) == 0, [r["rollouts/dropped_stale"] for r in rows]
+    assert rows[-1]["rollouts/stale_fraction_cum"] == 0.0
     assert_nothing_left(run_dir)
 
 

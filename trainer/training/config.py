@@ -141,6 +141,18 @@ class PublishConfig(_Section):
         description="the longest the gateway holds a request for the next version (then it serves the current "
         "one); well under Atropos's client timeouts",
     )
+    gate_quota: bool = Field(
+        True,
+        description="with the gate: once a batch's worth of sequences has started on a version, hold further "
+        "requests for the next one (environments start the next batch before the trainer takes this one)",
+    )
+    gate_refill_s: float = Field(
+        1.0,
+        gt=0,
+        le=600,
+        description="requests held over the quota go through on the current version once nothing runs on it and "
+        "no batch was taken for this long (an environment that discarded groups needs more than a batch)",
+    )
     overlap: bool = Field(
         True,
         description="save and load the adapter while waiting for the next batch, where the staleness bound "

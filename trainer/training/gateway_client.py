@@ -68,10 +68,12 @@ class GatewayClient:
         raw = self._post("/policy/publish", body.model_dump(exclude_none=True), PUBLISH_TIMEOUT_S)
         return PublishResponse.model_validate(raw)
 
-    def expect(self, version: int, hold_s: float) -> ExpectResponse:
+    def expect(
+        self, version: int, hold_s: float, quota: int | None = None, refill_s: float = 1.0
+    ) -> ExpectResponse:
         """Close the on-policy gate until `version` is published (or open it: a version not newer than the
-        current one)."""
-        body = ExpectRequest(version=version, hold_s=hold_s).model_dump()
+        current one); `quota` sequences per version from then on (inference/gate.py)."""
+        body = ExpectRequest(version=version, hold_s=hold_s, quota=quota, refill_s=refill_s).model_dump()
         return ExpectResponse.model_validate(self._post("/policy/expect", body))
 
     def lookup(self, sequences: list[list[int]]) -> list[int | None]:

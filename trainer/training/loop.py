@@ -297,7 +297,7 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
                 _finish_step(cfg, backend, metrics, run, pending, state, api, run_dir, overlapped=True)
                 pending = None
             _ensure_gateway_policy(gateway, publisher, run_dir, state)
-            hold = gateway.expect(state.version + 1, cfg.publish.gate_hold_s) if gate else None
+            hold = _close_gate(cfg, gateway, state.version + 1) if gate else None
             pending = _one_step(
                 cfg, backend, gateway, publisher, intake, state, groups, StepTimes(waiting_since), hold
             )
@@ -316,6 +316,12 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     metrics.close()
     gateway.close()
     return state.step >= cfg.rollout.num_steps
+
+
+def _close_gate(cfg: RunConfig, gateway: GatewayClient, version: int) -> ExpectResponse:
+    """Hold new requests for `version` (opens the gate when it is not newer than the current one)."""
+    quota = cfg.rollout.batch_size if cfg.publish.gate_quota else None
+    return gateway.expect(version, cfg.publish.gate_hold_s, quota, cfg.publish.gate_refill_s)
 
 
 @dataclass
@@ -526,7 +532,7 @@ def _one_step(
         why = "stale, malformed or zero-variance"
         log.info("step %d: nothing trainable in %d groups (%s); no update", state.step, len(groups), why)
         if hold is not None:  # nothing is coming: let the held requests through on the current version
-            hold = gateway.expect(state.version, cfg.publish.gate_hold_s)
+            hold = _close_gate(cfg, gateway, state.version)
     row = _metrics_row(state, groups, split, converted, train, times)
     row.update(Publisher.metrics(None))
     if hold is not None and publish is None:

@@ -118,7 +118,9 @@ def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path):
     for row in trained:
         assert row["importance/logprob_diff_mean"] <= 1e-3, row
         assert row["policy/staleness_max"] == 0
-        assert row["publish/verify_max_abs_diff"] is not None and row["publish/verify_max_abs_diff"] < 1e-4, row
+        assert row["publish/verify_max_abs_diff"] is not None and row["publish/verify_max_abs_diff"] < 1e-4, (
+            row
+        )
         assert row["gateway/hold_s"] > 0, row  # the gate closed while the step trained and published
     assert sum(r["rollouts/dropped_stale"] for r in rows) == 0, [r["rollouts/dropped_stale"] for r in rows]
     assert rows[-1]["rollouts/stale_fraction_cum"] == 0.0

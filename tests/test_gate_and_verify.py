@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from inference.gate import Gate
@@ -220,3 +222,87 @@ async def test_the_gateway_applies_the_quota_per_version(tmp_path):
         await client.post("/policy/expect", json={"version": 1, "quota": 2, "refill_s": 30})
         await client.post("/policy/publish", json=publish_body(1, make_adapter(tmp_path, "a1")))
         assert (await early).headers["x-policy-version"] == "1"
+
+
+class FlakyGateway:
+    """A gateway client whose publishes are refused by verification `refusals` times, then accepted."""
+
+    def __init__(self, refusals: int):
+        self.refusals = refusals
+        self.published: list[tuple[int, str | None, Any]] = []
+
+    def publish(self, version, adapter_path, replace_newer=False, probe=None):
+        from trainer.training.gateway_client import PublishResponse
+
+        self.published.append((version, adapter_path, probe))
+        if self.refusals:
+            self.refusals -= 1
+            body = {
+                "error": {
+                    "message": "publish verification failed",
+                    "type": "verification_failed",
+                    "code": 422,
+                    "max_abs_diff": 0.7,
+                }
+            }
+            request = httpx.Request("POST", "http://gw/policy/publish")
+            response = httpx.Response(422, json=body, request=request)
+            raise httpx.HTTPStatusError("422", request=request, response=response)
+        return PublishResponse(
+            version=version,
+            lora_name=f"policy-v{version}",
+            load_s=0.01,
+            unloaded=[],
+            verify_max_abs_diff=1e-6,
+            verify_s=0.01,
+        )
+
+
+class ProbingBackend:
+    vocab_size = 2048
+
+    def __init__(self, root):
+        self.root, self.saves = root, 0
+
+    def save_for_sampler(self, version: int) -> str:
+        self.saves += 1
+        folder = self.root / f"v{version:06d}"
+        folder.mkdir()  # never overwritten: a retry must have removed the refused folder first
+        return str(folder)
+
+    def probe(self, prompts, top_k):
+        return [{1: -0.1, 2: -2.5} for _ in prompts]
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_a_refused_publish_is_written_again_and_retried_then_stops_the_run(tmp_path, retries):
+    from tests.test_local_backend import make_cfg
+    from trainer.training.publishing import Publisher, PublishUnverified
+
+    cfg = make_cfg(tmp_path, publish__verify_retries=retries)
+    backend = ProbingBackend(tmp_path)
+    gateway = FlakyGateway(refusals=retries)  # refused `retries` times: the last retry passes
+    outcome = Publisher(cfg, backend, gateway, overlap=False).start(1).result()  # type: ignore[arg-type]
+    assert outcome.failures == retries and backend.saves == retries + 1
+    assert outcome.worst_refused_diff == (0.7 if retries else None)
+    # vLLM's dtype is not stated in this config: the looser, low-precision tolerance applies.
+    assert all(p is not None and len(p.prompts) == 4 and p.tolerance == 0.1 for _, _, p in gateway.published)
+    # One refusal more than the retries: the run stops (exit code 3 in trainer/__main__.py), with the numbers.
+    gateway, backend = FlakyGateway(refusals=retries + 1), ProbingBackend(tmp_path / "again")
+    (tmp_path / "again").mkdir()
+    with pytest.raises(PublishUnverified, match=r"verification failed.*refused"):
+        Publisher(cfg, backend, gateway, overlap=True).start(1).result()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("config", "device", "tolerance"),
+    [("tiny_cpu.yaml", "cpu", 1e-3), ("gsm8k.yaml", "cuda", 0.1), ("gsm8k.yaml", "cpu", 0.1)],
+)
+def test_the_verification_tolerance_follows_the_dtypes(config, device, tolerance):
+    from trainer.training.config import RunConfig, load_config
+    from trainer.training.publishing import verify_tolerance
+
+    cfg = load_config(RunConfig, Path(__file__).parent.parent / "configs" / config)
+    assert verify_tolerance(cfg, device) == tolerance
+    cfg.publish.verify_tolerance = 0.02
+    assert verify_tolerance(cfg, device) == 0.02

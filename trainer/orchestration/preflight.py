@@ -95,6 +95,17 @@ def probe_gpu_memory() -> tuple[int, int] | None:
     return int(total), int(free)
 
 
+def fetch_model_config(repo_id: str) -> dict[str, Any] | None:
+    """config.json alone from the hub (a few KB), for a plan before the weights are downloaded; None if refused
+    (a gated or unknown repo, no network)."""
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return dict(json.loads(Path(hf_hub_download(repo_id, "config.json")).read_text()))
+    except Exception:  # the hub library raises many types (gated, missing, offline); the plan is then skipped
+        return None
+
+
 def plan_memory(
     cfg: RunConfig, model_path: str, gateway: dict[str, Any] | None, dry_run: bool
 ) -> tuple[list[str], list[str]]:
@@ -111,6 +122,8 @@ def plan_memory(
     if cfg.launch.backend != "local":
         return [], []
     model_config = load_model_config(model_path)
+    if model_config is None and hub_reachable():
+        model_config = fetch_model_config(model_path)
     if model_config is None:
         return [
             f"memory plan: no config.json for model.path={model_path!r} here (not a folder, not in the Hugging Face "

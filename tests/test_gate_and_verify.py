@@ -306,3 +306,10 @@ def test_the_verification_tolerance_follows_the_dtypes(config, device, tolerance
     assert verify_tolerance(cfg, device) == tolerance
     cfg.publish.verify_tolerance = 0.02
     assert verify_tolerance(cfg, device) == 0.02
+
+
+@pytest.mark.parametrize(("given", "gate"), [("on", "on"), ("off", "off"), ("auto", "auto"), ("'on'", "on")])
+def test_publish_gate_takes_bare_on_and_off(given, gate):
+    from trainer.training.config import RunConfig, load_config
+
+    assert load_config(RunConfig, None, [f"publish.gate={given}"]).publish.gate == gate

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.training.losses import DEFAULT_DRO_BETA, LossName, LossParams, Reduction
 
@@ -178,6 +178,12 @@ class PublishConfig(_Section):
         description="publishes retried (the adapter written again) after a failed verification; past them the "
         "run stops for a person to look (exit code 3, not restarted); 0 = stop at the first failure",
     )
+
+    @field_validator("gate", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare on/off (publish.gate=on) as a boolean.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     def gate_on(self, max_staleness: int) -> bool:
         return self.gate == "on" or (self.gate == "auto" and max_staleness == 0)

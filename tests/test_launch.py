@@ -131,16 +131,22 @@ def test_staleness_window_is_enforced_and_stale_rollouts_counted(tmp_path):
     run_dir = tmp_path / "run"
     # The env may run 4 batches ahead, so some rollouts arrive more than 1 version old. (With a window of 2, an
     # unloaded machine consumed every batch within 2 versions: the lag depends on how fast sampling is relative
-    # to training, and a window of 1 is exceeded either way.)
+    # to training, and a window of 1 is exceeded either way.) The publish runs inline here (publish.overlap off),
+    # the path the other runs do not take.
     rc, out, _ = run_launch(
         launch_cmd(
-            run_dir, "rollout.max_staleness=1", "rollout.max_batches_offpolicy=4", "rollout.num_steps=12"
+            run_dir,
+            "rollout.max_staleness=1",
+            "rollout.max_batches_offpolicy=4",
+            "rollout.num_steps=12",
+            "publish.overlap=false",
         ),
         600,
     )
     assert rc == 0, out[-3000:]
     rows = read_metrics(run_dir)
     assert all(r["policy/staleness_max"] <= 1 for r in rows)
+    assert not any(r["time/publish_overlapped"] for r in rows)
     assert sum(r["rollouts/dropped_stale"] for r in rows) > 0
     assert (
         max(r["policy/staleness_max"] for r in rows) >= 1

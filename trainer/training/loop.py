@@ -16,6 +16,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,12 +200,20 @@ class Stopper:
             raise StopRequested
 
 
-def wait_for_batch(api: RunApi, poll_s: float, stopper: Stopper | None = None) -> list[Any]:
-    """The next batch, however long the environments take to fill it (or until a stop is requested)."""
+def wait_for_batch(
+    api: RunApi,
+    poll_s: float,
+    stopper: Stopper | None = None,
+    meanwhile: Callable[[], None] | None = None,
+) -> list[Any]:
+    """The next batch, however long the environments take to fill it (or until a stop is requested); `meanwhile`
+    runs before each poll."""
 
     def ready() -> list[Any] | None:
         if stopper is not None:
             stopper.check()
+        if meanwhile is not None:
+            meanwhile()
         return api.fetch_batch()
 
     return wait_until(ready, None, "a batch from run-api", poll_s)
@@ -289,13 +298,22 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     )
     run = RunTally(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step)
     pending: PendingStep | None = None
+
+    def finish_pending(block: bool) -> None:
+        """Write the overlapped step's row (and its checkpoint) once its publish is done: as soon as it is while
+        the next batch is awaited (`block` False), or now."""
+        nonlocal pending
+        if pending is not None and (block or pending.publish is None or pending.publish.done()):
+            done, pending = pending, None
+            _finish_step(cfg, backend, metrics, run, done, state, api, run_dir, overlapped=True)
+
     try:
         while state.step < cfg.rollout.num_steps:
             waiting_since = time.monotonic()
-            groups = wait_for_batch(api, cfg.trainer.batch_poll_s, stopper)
-            if pending is not None:
-                _finish_step(cfg, backend, metrics, run, pending, state, api, run_dir, overlapped=True)
-                pending = None
+            groups = wait_for_batch(
+                api, cfg.trainer.batch_poll_s, stopper, lambda: finish_pending(block=False)
+            )
+            finish_pending(block=True)
             _ensure_gateway_policy(gateway, publisher, run_dir, state)
             hold = _close_gate(cfg, gateway, state.version + 1) if gate else None
             pending = _one_step(
@@ -308,8 +326,8 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     except StopRequested:
         log.info("stopping at step %d", state.step)
     finally:
-        if pending is not None and sys.exc_info()[0] in (None, StopRequested):
-            _finish_step(cfg, backend, metrics, run, pending, state, api, run_dir, overlapped=True)
+        if sys.exc_info()[0] in (None, StopRequested):
+            finish_pending(block=True)
         publisher.close()
     if cfg.trainer.checkpoint_every and run.checkpointed != state.step:
         save_checkpoint(backend, run_dir, state)  # the end of the run, or a stop: nothing to redo on resume

@@ -1,9 +1,9 @@
 """Getting each new adapter to the sampler: write it, let the gateway load it, and prove the served adapter is the
 trained one before it serves anything.
 
-The proof (publish.verify, local backend): the trainer decodes a fixed probe prompt greedily with its own weights
-and sends the tokens with their logprobs along with the publish; the gateway decodes the same prompt on the loaded
-adapter and refuses the publish (422) when vLLM's sampled-token logprobs differ by more than the tolerance
+The proof (publish.verify, local backend): the trainer sends, with the publish, a few fixed prompts and its own
+top-k logprobs of the next token after each; the gateway has vLLM sample one greedy token per prompt on the loaded
+adapter and refuses the publish (422) when vLLM's top-k logprobs differ by more than the tolerance
 (inference/probe_check.py). A refused publish is written again and retried `publish.verify_retries` times, then the
 run stops for a person (PublishUnverified: exit code 3, which the launcher does not restart).
 
@@ -35,15 +35,13 @@ from trainer.training.gateway_client import (
 log = logging.getLogger("trainer.training.publishing")
 
 PROBE_PROMPT_TOKENS = 16
+PROBE_TOP_K = 20  # vLLM's default --max-logprobs
 FLOAT32_TOLERANCE = 1e-3
 LOW_PRECISION_TOLERANCE = 0.1
 
 
 class PublishUnverified(RuntimeError):
     """The gateway kept serving logprobs that are not the trainer's: a restart would not fix it."""
-
-
-PROBE_TOP_K = 20  # vLLM's default --max-logprobs
 
 
 def probe_prompts(vocab_size: int, count: int, length: int = PROBE_PROMPT_TOKENS) -> list[list[int]]:

@@ -160,8 +160,8 @@ class PublishConfig(_Section):
     )
     verify: bool = Field(
         True,
-        description="after loading each adapter, the gateway decodes a fixed probe on it and compares vLLM's "
-        "logprobs with the trainer's before serving it (local backend)",
+        description="after loading each adapter, the gateway has vLLM sample one token per fixed probe prompt "
+        "on it and compares the top-20 logprobs with the trainer's before serving it (local backend)",
     )
     verify_tolerance: float | None = Field(
         None,

@@ -41,3 +41,10 @@ def test_sampling_without_groups_points_at_run_api_queue_and_env_errors():
 
 def test_unreachable_components_still_give_a_line():
     assert explain_idle(181, Snapshot(), Snapshot(), 64, "", LOG).endswith(LOG)
+
+
+def test_requests_held_at_the_gate_point_at_the_trainer():
+    before = Snapshot(requests=10, rejected=0, queued=0)
+    now = Snapshot.read({"requests_total": 10, "gate_waiting_for": 7, "gate_holding": 8}, {"queue_size": 0})
+    line = explain_idle(200, before, now, 64, "", LOG)
+    assert "holds 8 request(s) at the on-policy gate for version 7" in line and "trainer" in line

@@ -34,6 +34,8 @@ class Snapshot:
     rejected_by_reason: dict[str, int] | None = None
     last_rejection: str | None = None
     queued: int | None = None
+    gate_waiting_for: int | None = None  # the version the on-policy gate holds requests for
+    gate_holding: int = 0
 
     @classmethod
     def read(cls, gateway: dict[str, Any] | None, run_api: dict[str, Any] | None) -> Snapshot:
@@ -44,6 +46,8 @@ class Snapshot:
             rejected_by_reason=gateway.get("rejected_by_reason"),
             last_rejection=gateway.get("last_rejection"),
             queued=(run_api or {}).get("queue_size"),
+            gate_waiting_for=gateway.get("gate_waiting_for"),
+            gate_holding=gateway.get("gate_holding") or 0,
         )
 
 
@@ -78,6 +82,12 @@ def explain_idle(
     head = f"launch.sh: no training step for {idle_s:.0f} s: "
     requests, rejected = delta(now.requests, before.requests), delta(now.rejected, before.rejected)
     hint = env_log_hint(env_tail)
+    if now.gate_holding and now.gate_waiting_for is not None:
+        return head + (
+            f"the gateway holds {now.gate_holding} request(s) at the on-policy gate for version "
+            f"{now.gate_waiting_for}, which the trainer has not published (publish.gate_hold_s bounds the wait); "
+            "read the trainer's log"
+        )
     if requests == 0:
         cause = "the environment sent the gateway no generation request"
         return head + cause + (f"; {hint}" if hint else f"; read {env_log}")

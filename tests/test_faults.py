@@ -80,11 +80,19 @@ def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
     assert last["faults/restarts_vllm"] >= 2  # the API server and the engine core
     assert out.count("restarting it") == 4 and out.count("the gateway restarted vLLM") >= 2
     assert "gave the restarted gateway version" in out
-    # Nothing trained outside the staleness window, and nothing trained under a version that did not sample it:
-    # the sampler's logprobs stay close to the trainer's (a wrong attribution shows up as a mismatch spike).
+    # Nothing trained outside the staleness window, and nothing trained under a version that did not sample it: a
+    # step whose every sequence is attributed to the trainer's own version must see the sampler's logprobs exactly
+    # (float32: ~1e-13 measured); a sequence from a restarted gateway's base model or an abandoned timeline passed
+    # off as current would show here. Steps with stale-by-one sequences are not bounded: their mismatch is the
+    # policy's own change over one update (0.02 to 1.0 seen at the toy's lr while the reward climbs), which the
+    # importance ratio corrects; the timeline's attribution of those is unit-tested (test_gateway_unit's rollbacks).
     assert all(r["policy/staleness_max"] <= 1 for r in rows)
-    mismatch = [r["importance/mismatch_kl"] for r in rows if r["importance/mismatch_kl"] is not None]
-    assert max(mismatch) < 0.5, mismatch
+    on_policy = [
+        r["importance/mismatch_kl"]
+        for r in rows
+        if r["importance/mismatch_kl"] is not None and r["policy/staleness_max"] == 0
+    ]
+    assert len(on_policy) >= 2 and max(on_policy) < 1e-6, on_policy
     assert_nothing_left(run_dir)
     assert orphans and all(pid is not None and not group_alive(pid) for pid in orphans), orphans
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -292,6 +294,43 @@ def test_a_refused_publish_is_written_again_and_retried_then_stops_the_run(tmp_p
     (tmp_path / "again").mkdir()
     with pytest.raises(PublishUnverified, match=r"verification failed.*refused"):
         Publisher(cfg, backend, gateway, overlap=True).start(1).result()  # type: ignore[arg-type]
+
+
+class UnansweringGateway:
+    """A gateway that is stopping: a publish is never answered."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def publish(self, version, adapter_path, replace_newer=False, probe=None):
+        self.release.wait(60)
+        raise httpx.ConnectError("the gateway went away")
+
+
+def test_a_stop_does_not_wait_for_a_publish_the_stopping_gateway_never_answers(tmp_path, monkeypatch):
+    """SIGTERM reaches the trainer and the gateway at once: the checkpoint must not wait on the publish in
+    flight. The trainer's weights are the new version's all the same, so the checkpoint records that version (the
+    resume publishes it again), and the stuck worker cannot hold the process open after it."""
+    from tests.test_local_backend import make_cfg
+    from trainer.training import loop
+    from trainer.training.publishing import Publisher
+
+    monkeypatch.setattr(loop, "STOP_PUBLISH_WAIT_S", 0.3)
+    gateway = UnansweringGateway()
+    publisher = Publisher(make_cfg(tmp_path), ProbingBackend(tmp_path), gateway, overlap=True)  # type: ignore[arg-type]
+    pending = loop.PendingStep({}, loop.StepTimes(0.0), publisher.start(7), 7)
+    worker = next(t for t in threading.enumerate() if t.name == "publish-v7")
+    assert worker.daemon  # a non-daemon thread would be joined at exit, after the launcher's SIGKILL
+    started = time.monotonic()
+    assert loop._join_publish(pending, stopping=True) == (7, None)
+    assert time.monotonic() - started < 5
+    gateway.release.set()  # the gateway's connection drops: the same answer, and no wait at all
+    pending = loop.PendingStep({}, loop.StepTimes(0.0), publisher.start(8), 8)
+    assert loop._join_publish(pending, stopping=True) == (8, None)
+    with pytest.raises(httpx.ConnectError):  # not stopping: a failed publish is the run's error, as before
+        loop._join_publish(loop.PendingStep({}, loop.StepTimes(0.0), publisher.start(9), 9), stopping=False)
+    assert loop._join_publish(loop.PendingStep({}, loop.StepTimes(0.0), None), stopping=True) == (None, None)
+    publisher.close()
 
 
 @pytest.mark.parametrize(

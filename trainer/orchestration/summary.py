@@ -36,9 +36,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
     step_total = total("time/step_s")
     updates = [r for r in rows if r.get("loss") is not None]
-    publishes = [r["time/publish_s"] for r in updates]
+    # None: a publish a stop cut short (the resume publishes that version again).
+    publishes = [r["time/publish_s"] for r in updates if r.get("time/publish_s") is not None]
     # A publish overlapped with the next batch's wait is off the trainer's path: only inline ones add to wall time.
-    inline_publish = sum(r["time/publish_s"] for r in updates if not r.get("time/publish_overlapped"))
+    inline_publish = sum(
+        r.get("time/publish_s") or 0.0 for r in updates if not r.get("time/publish_overlapped")
+    )
     verify = [r["publish/verify_s"] for r in updates if r.get("publish/verify_s") is not None]
     taken = total("rollouts/sequences_taken")
     reached = next((r for r in rows if (r.get("reward/mean") or 0.0) >= 0.8), None)

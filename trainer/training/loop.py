@@ -45,7 +45,7 @@ from trainer.training.faults import fault_counts
 from trainer.training.gateway_client import ExpectResponse, GatewayClient
 from trainer.training.polling import wait_until
 from trainer.training.publishing import Publisher, PublishOutcome
-from trainer.training.retries import Edge, checked
+from trainer.training.retries import ComponentDown, Edge, checked, describe
 from trainer.training.schedule import build_adam_params
 
 log = logging.getLogger("trainer.training.loop")
@@ -299,13 +299,15 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     run = RunTally(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step)
     pending: PendingStep | None = None
 
-    def finish_pending(block: bool) -> None:
+    def finish_pending(block: bool, stopping: bool = False) -> None:
         """Write the overlapped step's row (and its checkpoint) once its publish is done: as soon as it is while
         the next batch is awaited (`block` False), or now."""
         nonlocal pending
         if pending is not None and (block or pending.publish is None or pending.publish.done()):
             done, pending = pending, None
-            _finish_step(cfg, backend, metrics, run, done, state, api, run_dir, overlapped=True)
+            _finish_step(
+                cfg, backend, metrics, run, done, state, api, run_dir, overlapped=True, stopping=stopping
+            )
 
     try:
         while state.step < cfg.rollout.num_steps:
@@ -327,7 +329,7 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
         log.info("stopping at step %d", state.step)
     finally:
         if sys.exc_info()[0] in (None, StopRequested):
-            finish_pending(block=True)
+            finish_pending(block=True, stopping=True)
         publisher.close()
     if cfg.trainer.checkpoint_every and run.checkpointed != state.step:
         save_checkpoint(backend, run_dir, state)  # the end of the run, or a stop: nothing to redo on resume
@@ -378,6 +380,36 @@ class PendingStep:
     row: dict[str, Any]
     times: StepTimes
     publish: Future[PublishOutcome] | None  # None: the step made no update
+    version: int | None = None  # the version being published
+
+
+# On a stop the launcher gives every process 30 s in all before SIGKILL, and it stops the gateway at the same time:
+# a publish still running by then may never be answered, and the checkpoint must be written first.
+STOP_PUBLISH_WAIT_S = 10.0
+
+
+def _join_publish(pending: PendingStep, stopping: bool) -> tuple[int | None, PublishOutcome | None]:
+    """The version the trainer's weights now are, and the publish's outcome if it completed. Stopping, a publish
+    the gateway does not complete within STOP_PUBLISH_WAIT_S (or fails to reach it) still leaves the weights at the
+    new version: the checkpoint says so, and the resume publishes that version again (verified)."""
+    if pending.publish is None:
+        return None, None
+    if not stopping:
+        outcome = pending.publish.result()
+        return outcome.version, outcome
+    try:
+        outcome = pending.publish.result(timeout=STOP_PUBLISH_WAIT_S)
+        return outcome.version, outcome
+    except (TimeoutError, ComponentDown, httpx.HTTPError) as exc:
+        log.warning(
+            "stopping: the publish of version %s did not complete (%s); the checkpoint holds that version's "
+            "weights and the resume publishes it again",
+            pending.version,
+            describe(exc)
+            if not isinstance(exc, TimeoutError)
+            else f"no answer within {STOP_PUBLISH_WAIT_S:.0f}s",
+        )
+        return pending.version, None
 
 
 def _finish_step(
@@ -390,15 +422,19 @@ def _finish_step(
     api: RunApi,
     run_dir: Path,
     overlapped: bool = False,
+    stopping: bool = False,
 ) -> None:
     """Join the step's publish (its version becomes the trainer's), complete and write its row, checkpoint if due."""
     row, times = pending.row, pending.times
-    outcome = pending.publish.result() if pending.publish is not None else None
-    if outcome is not None:
-        state.version = outcome.version
+    version, outcome = _join_publish(pending, stopping)
+    if version is not None:
+        state.version = version
         row["policy_version"] = state.version
+    if outcome is not None:
         row["time/publish_s"] = outcome.seconds
         row.update(Publisher.metrics(outcome))
+    elif version is not None:
+        row["time/publish_s"] = None  # a stop cut it short
     # Overlapped, the publish ran while the next batch was awaited: this step ended when its training did, and any
     # wait for the publish after the next batch arrived counts in that step's time/wait_for_batch_s.
     row["time/publish_overlapped"] = float(overlapped)
@@ -538,6 +574,7 @@ def _one_step(
     train: dict[str, Any] = {key: None for key in NO_UPDATE_KEYS}
     train["tokens/trained"] = 0.0
     publish: Future[PublishOutcome] | None = None
+    version: int | None = None
     if converted.examples:
         adam = build_adam_params(backend.step, cfg.optim)
         fb, optim = backend.train_step(converted.examples, cfg.loss.params(), cfg.loss.reduction, adam)
@@ -545,6 +582,7 @@ def _one_step(
         train.update({k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS})
         times.trained = time.monotonic()
         publish = publisher.start(state.version + 1)
+        version = state.version + 1
     else:
         times.trained = time.monotonic()
         why = "stale, malformed or zero-variance"
@@ -555,7 +593,7 @@ def _one_step(
     row.update(Publisher.metrics(None))
     if hold is not None and publish is None:
         row["gateway/hold_s"], row["gateway/held_requests"] = hold.hold_s, float(hold.held_requests)
-    return PendingStep(row, times, publish)
+    return PendingStep(row, times, publish, version)
 
 
 def _metrics_row(

@@ -9,13 +9,16 @@ run stops for a person (PublishUnverified: exit code 3, which the launcher does 
 
 With publish.overlap a publish runs on a worker thread while the loop waits for the next batch; the loop joins it
 before it reads the next batch's versions, checkpoints, or stops. The model is not touched meanwhile: the loop
-only does HTTP while the worker reads the weights.
+only does HTTP while the worker reads the weights. The worker is a daemon thread: on a stop the loop waits for it
+only so long (the gateway may be stopping too), and a publish stuck on a gateway that is gone must not hold the
+process open past its checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -89,12 +92,9 @@ class Publisher:
             )
         local = getattr(backend, "local", backend)
         self.tolerance = verify_tolerance(cfg, getattr(getattr(local, "device", None), "type", "cpu"))
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish") if overlap else None
         self._probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probe")
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
         self._probe_pool.shutdown(wait=True)
 
     def probe(self) -> tuple[PublishProbe | None, float]:
@@ -120,14 +120,20 @@ class Publisher:
             raise PublishUnverified(failure[0]) from exc
 
     def start(self, version: int) -> Future[PublishOutcome]:
-        """Publish `version` from the backend's current weights: now, or on the worker with publish.overlap."""
-        if self._pool is not None:
-            return self._pool.submit(self._publish, version)
+        """Publish `version` from the backend's current weights: now, or on a worker with publish.overlap (the loop
+        joins one publish before it starts the next)."""
         done: Future[PublishOutcome] = Future()
-        try:
-            done.set_result(self._publish(version))
-        except BaseException as exc:  # re-raised by result(), where an overlapped publish raises too
-            done.set_exception(exc)
+
+        def work() -> None:
+            try:
+                done.set_result(self._publish(version))
+            except BaseException as exc:  # re-raised by result(), inline or overlapped alike
+                done.set_exception(exc)
+
+        if self.overlap:
+            threading.Thread(target=work, name=f"publish-v{version}", daemon=True).start()
+        else:
+            work()
         return done
 
     def _publish(self, version: int) -> PublishOutcome:

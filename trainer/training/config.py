@@ -310,6 +310,27 @@ class LaunchConfig(_Section):
     )
 
 
+class ServiceConfig(_Section):
+    """The local Tinker-protocol service (`bash launch.sh service`): the unmodified tinker SDK trains LoRA adapters
+    of `model.path` here, several clients on one base."""
+
+    host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 exposes it to the network")
+    port: int = Field(8100, ge=0, le=65535, description="port to bind (0: any free port, printed at start)")
+    output_dir: str = Field(
+        "runs/service", description="one folder per training client: metrics.jsonl, states"
+    )
+    api_key: str | None = Field(
+        None, description="when set, the X-API-Key the SDK must send (it always sends one starting tml-)"
+    )
+    max_clients: int = Field(8, ge=1, description="training clients at once (each holds an adapter and Adam)")
+    poll_hold_s: float = Field(
+        20.0,
+        gt=0,
+        lt=45,
+        description="how long a retrieve_future poll waits for its result (SDK timeout: 45 s)",
+    )
+
+
 class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -328,6 +349,7 @@ class RunConfig(_Section):
     publish: PublishConfig = Field(default_factory=PublishConfig)
     tinker: TinkerConfig = Field(default_factory=TinkerConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
+    service: ServiceConfig = Field(default_factory=ServiceConfig)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

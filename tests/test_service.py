@@ -1,0 +1,221 @@
+"""The local Tinker-protocol service driven by the unmodified tinker SDK, on the tiny model (training only: sampling is
+not served yet). One real service process for the module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_launch import ROOT
+from trainer.orchestration.processes import stop_child
+from trainer.training.polling import wait_until
+
+tinker = pytest.importorskip("tinker")
+types = tinker.types
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    out = tmp_path_factory.mktemp("service")
+    log = (out / "service.log").open("w")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainer.service",
+            "--config",
+            str(ROOT / "configs" / "tiny_cpu.yaml"),
+            "service.port=0",
+            f"service.output_dir={out}",
+            "service.max_clients=64",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("listening on "), (line, (out / "service.log").read_text())
+        url = line.split()[-1]
+        import httpx
+
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "the service healthy", 0.2)
+        yield url, out
+    finally:
+        stop_child(proc, 10)
+
+
+def client(url: str) -> Any:
+    return tinker.ServiceClient(base_url=url, api_key="tml-local-test")
+
+
+def datum(tokens: list[int], advantage: float, sampler_lp: float = -2.0) -> Any:
+    n = len(tokens) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": [sampler_lp] * n,
+            "advantages": [0.0] * 2 + [advantage] * (n - 2),
+        },
+    )
+
+
+BATCH = [datum([5, 17, 23, 42, 42, 7, 9], 1.0), datum([5, 17, 23, 11, 12, 13, 14], -1.0)]
+
+
+def state_of(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {f"w/{k}": v for k, v in load_file(folder / "adapter.safetensors").items()}
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    for index, slots in optimizer["state"].items():
+        for key, value in slots.items():
+            out[f"adam/{index}/{key}"] = torch.as_tensor(value)
+    return out
+
+
+def folder_of(out: Path, path: str) -> Path:
+    model_id, kind, name = path.removeprefix("tinker://").split("/")
+    return out / model_id.replace(":", "_") / kind / name
+
+
+def test_three_clients_on_one_base_stay_isolated(service):
+    url, out = service
+    sc = client(url)
+    clients = [
+        sc.create_lora_training_client(base_model="tiny", rank=r, seed=s).result()
+        for r, s in ((8, 1), (4, 2), (8, 3))
+    ]
+    assert len({c.model_id for c in clients}) == 3 and clients[1].get_info().lora_rank == 4
+    assert clients[0].get_tokenizer() is not None  # from the local model folder: no hub
+    before = [folder_of(out, c.save_state("before").result().path) for c in clients]
+    # One step on the first client only, forward_backward and optim_step submitted before either is awaited.
+    fb = clients[0].forward_backward(BATCH, "importance_sampling")
+    step = clients[0].optim_step(types.AdamParams(learning_rate=1e-2))
+    result = fb.result()
+    assert step.result() is not None
+    assert [len(o["logprobs"].tolist()) for o in result.loss_fn_outputs] == [6, 6]
+    assert result.metrics["loss:sum"] != 0.0
+    after = [folder_of(out, c.save_state("after").result().path) for c in clients]
+    moved = state_of(after[0])
+    assert any(not torch.equal(v, state_of(before[0])[k]) for k, v in moved.items() if k.startswith("w/"))
+    for b, a in zip(before[1:], after[1:]):
+        s_before, s_after = state_of(b), state_of(a)
+        assert s_before.keys() == s_after.keys()
+        assert all(torch.equal(s_before[k], s_after[k]) for k in s_before), "another client's step touched it"
+    rows = (out / clients[0].model_id.replace(":", "_") / "metrics.jsonl").read_text().splitlines()
+    assert any('"call": "forward_backward"' in r for r in rows) and any(
+        '"call": "optim_step"' in r for r in rows
+    )
+
+
+def test_custom_loss_written_as_the_is_formula_gives_the_builtin_gradients(service):
+    url, out = service
+    sc = client(url)
+    builtin, custom = (
+        sc.create_lora_training_client(base_model="tiny", rank=8, seed=7).result() for _ in range(2)
+    )
+
+    def is_loss(data: list[Any], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        total = torch.zeros(())
+        for d, lp in zip(data, logprobs):
+            sampler = torch.tensor(d.loss_fn_inputs["logprobs"].tolist())
+            advantages = torch.tensor(d.loss_fn_inputs["advantages"].tolist())
+            total = total - (torch.exp(lp - sampler) * advantages).sum()
+        return total, {}
+
+    expected = builtin.forward_backward(BATCH, "importance_sampling").result().metrics["loss:sum"]
+    got = custom.forward_backward_custom(BATCH, is_loss).result().metrics["loss:sum"]
+    assert got == pytest.approx(expected, rel=1e-5)
+    # An Adam step with a huge eps moves each weight by lr * g / eps: the gradients themselves, compared.
+    adam = types.AdamParams(learning_rate=1.0, eps=1e3)
+    builtin.optim_step(adam).result()
+    custom.optim_step(adam).result()
+    a = state_of(folder_of(out, builtin.save_state("one").result().path))
+    b = state_of(folder_of(out, custom.save_state("one").result().path))
+    for key in (k for k in a if k.startswith("w/")):
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-9)
+
+
+def test_save_and_load_state_round_trip_exactly(service):
+    url, out = service
+    sc = client(url)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=8, seed=3).result()
+    for _ in range(2):
+        tc.forward_backward(BATCH, "ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5})
+        tc.optim_step(types.AdamParams(learning_rate=1e-2))
+    saved_path = tc.save_state("two").result().path
+    saved = state_of(folder_of(out, saved_path))
+    tc.forward_backward(BATCH, "importance_sampling")
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    tc.load_state_with_optimizer(saved_path).result()
+    again = state_of(folder_of(out, tc.save_state("reloaded").result().path))
+    assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
+    tc.load_state(saved_path).result()  # weights only: Adam starts again
+    fresh = state_of(folder_of(out, tc.save_state("weights-only").result().path))
+    assert not any(k.startswith("adam/") for k in fresh)
+    assert all(torch.equal(saved[k], fresh[k]) for k in fresh)
+    other = sc.create_training_client_from_state_with_optimizer(saved_path).result()
+    copied = state_of(folder_of(out, other.save_state("copy").result().path))
+    assert all(torch.equal(saved[k], copied[k]) for k in saved)
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "grpo"])
+def test_every_loss_runs_through_the_sdk(service, loss):
+    url, _ = service
+    tc = client(url).create_lora_training_client(base_model="tiny", rank=4).result()
+    data = BATCH
+    if loss == "cross_entropy":
+        data = [
+            types.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"], "weights": [0.5] * 6},
+            )
+            for d in BATCH
+        ]
+    out = tc.forward_backward(data, loss).result()
+    assert torch.isfinite(torch.tensor(out.metrics["loss:sum"]))
+    if loss == "cross_entropy":  # -sum(weights * logprobs)
+        lps = sum(sum(o["logprobs"].tolist()) for o in out.loss_fn_outputs)
+        assert out.metrics["loss:sum"] == pytest.approx(-0.5 * lps, rel=1e-5)
+
+
+def test_refusals_reach_the_sdk_as_errors_and_the_client_goes_on(service):
+    url, _ = service
+    tc = client(url).create_lora_training_client(base_model="tiny", rank=4).result()
+    with pytest.raises(tinker.RequestFailedError, match="not supported here"):
+        tc.forward_backward(BATCH, "gspo").result()
+    bad_shape = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3]}
+    )
+    with pytest.raises(tinker.RequestFailedError, match=r"data\[0\].*shape \[2\].*3 tokens"):
+        tc.forward_backward([bad_shape], "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match="needs loss_fn_inputs\\['advantages'\\]"):
+        tc.forward_backward(
+            [types.Datum(model_input=bad_shape.model_input, loss_fn_inputs={"target_tokens": [2, 3, 4]})],
+            "ppo",
+        ).result()
+    with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
+        tc.forward_backward(
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints([1, 2]),
+                    loss_fn_inputs={"target_tokens": [2, 10**7]},
+                )
+            ],
+            "cross_entropy",
+        ).result()
+    with pytest.raises(tinker.RequestFailedError, match="sampling is not served"):
+        tc.save_weights_and_get_sampling_client().result()
+    assert tc.forward_backward(BATCH, "importance_sampling").result().metrics["loss:sum"] != 0.0
+    with pytest.raises(tinker.RequestFailedError, match="trains 'tiny'"):
+        client(url).create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()

@@ -1,0 +1,432 @@
+"""The HTTP side of the local Tinker-protocol service: the routes the unmodified tinker SDK calls, its futures, and
+the order of each training client's calls.
+
+- Every training call answers its POST at once with a request id; the work runs later and the SDK polls
+  `/api/v1/retrieve_future`, which waits up to `service.poll_hold_s` for the result (the SDK re-polls without a
+  pause), then answers 408 (the SDK polls again).
+- A client's calls run in the order of their seq_id (the SDK submits without waiting for results, and posts the
+  chunks of one call concurrently); all calls run one at a time on one worker thread, since every client shares
+  the base model.
+- A refused call (bad datum, unknown loss, unknown model) is a result in the SDK's error format, `{"error",
+  "category": "user"}`, which the SDK raises as RequestFailedError; it still takes its place in the client's order.
+- Sampling is not served yet: its routes answer 400 saying so (the SDK raises at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from trainer.backends.base import AdamParams
+from trainer.service.policies import LoraSpec, MultiLora
+from trainer.service.wire import (
+    ForwardBackwardCall,
+    UserError,
+    decode_forward_backward,
+    encode_forward_backward,
+)
+from trainer.training.config import RunConfig
+
+log = logging.getLogger("trainer.service")
+
+PROTOBUF = "application/x-protobuf"
+TINKER_SCHEME = "tinker://"
+
+
+@dataclass
+class Ordered:
+    """One training client's place in line: the next seq_id to run."""
+
+    next_seq: int = 1
+    cond: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+
+@dataclass
+class Result:
+    body: bytes | dict[str, Any]
+    proto: bool = False
+
+
+def _error(message: str, category: str = "user") -> Result:
+    return Result({"error": message, "category": category})
+
+
+def safe_name(model_id: str) -> str:
+    return model_id.replace(":", "_").replace("/", "_")
+
+
+class Service:
+    def __init__(self, cfg: RunConfig, policies: MultiLora):
+        self.cfg = cfg
+        self.policies = policies
+        self.root = Path(cfg.service.output_dir)
+        self.futures: dict[str, asyncio.Future[Result]] = {}
+        self.order: dict[str, Ordered] = {}
+        self.models: dict[str, str] = {}  # model id -> adapter name
+        self.sessions = itertools.count()
+        self.request_ids = itertools.count()
+        self.adapters = itertools.count()
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train")
+
+    # --- futures ----------------------------------------------------------------------------------------------
+
+    def submit(
+        self, work: Callable[[], Result], model_id: str | None = None, seq_id: int | None = None
+    ) -> str:
+        """Queue `work` (in the client's seq_id order when given) and return its request id."""
+        request_id = f"req-{next(self.request_ids)}"
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self.futures[request_id] = future
+        asyncio.get_running_loop().create_task(self._run(future, work, model_id, seq_id))
+        return request_id
+
+    async def _run(
+        self,
+        future: asyncio.Future[Result],
+        work: Callable[[], Result],
+        model_id: str | None,
+        seq_id: int | None,
+    ) -> None:
+        line = self.order.get(model_id) if model_id is not None else None
+        turn = seq_id if seq_id is not None else 0
+        if line is not None:
+            async with line.cond:
+                await line.cond.wait_for(lambda: line.next_seq >= turn)
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self.worker, self._guarded, work)
+        finally:
+            if line is not None:
+                async with line.cond:
+                    line.next_seq = max(line.next_seq, turn + 1)
+                    line.cond.notify_all()
+        future.set_result(result)
+
+    @staticmethod
+    def _guarded(work: Callable[[], Result]) -> Result:
+        try:
+            return work()
+        except UserError as exc:
+            return _error(str(exc))
+        except Exception as exc:  # the client sees it as RequestFailedError; the service goes on
+            log.exception("a training call failed")
+            return _error(f"{type(exc).__name__}: {exc}", "server")
+
+    async def retrieve(self, request_id: str) -> Response:
+        future = self.futures.get(request_id)
+        if future is None:
+            return JSONResponse({"detail": f"no request {request_id!r} here"}, status_code=404)
+        try:
+            result = await asyncio.wait_for(asyncio.shield(future), self.cfg.service.poll_hold_s)
+        except TimeoutError:
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"}, 408)
+        self.futures.pop(request_id, None)
+        if result.proto:
+            assert isinstance(result.body, bytes)
+            return Response(result.body, media_type=PROTOBUF)
+        return JSONResponse(result.body)
+
+    # --- training clients -------------------------------------------------------------------------------------
+
+    def model_name(self, model_id: str) -> str:
+        name = self.models.get(model_id)
+        if name is None:
+            raise UserError(f"no training client {model_id!r} on this service (was the service restarted?)")
+        return name
+
+    def create_model(self, model_id: str, base_model: str, lora: dict[str, Any]) -> Result:
+        if base_model not in (self.cfg.model.path, self.policies.model_path):
+            raise UserError(f"this service trains {self.cfg.model.path!r}, not {base_model!r}")
+        if model_id in self.models:
+            return Result({"model_id": model_id})  # a retried create
+        if len(self.models) >= self.cfg.service.max_clients:
+            raise UserError(
+                f"service.max_clients={self.cfg.service.max_clients} training clients exist already"
+            )
+        rank = lora.get("rank")
+        if not isinstance(rank, int) or rank < 1:
+            raise UserError(f"lora_config.rank must be a positive integer, got {rank!r}")
+        spec = LoraSpec(
+            rank=rank,
+            seed=int(lora.get("seed") or 0),
+            train_attn=bool(lora.get("train_attn", True)),
+            train_mlp=bool(lora.get("train_mlp", True)),
+            train_unembed=bool(lora.get("train_unembed", True)),
+        )
+        name = f"m{next(self.adapters)}"
+        self.policies.create(name, spec)
+        self.models[model_id] = name
+        self.order.setdefault(model_id, Ordered())
+        self.record(model_id, {"call": "create_model", **spec.__dict__})
+        log.info("training client %s: LoRA rank %d (%s)", model_id, rank, ", ".join(spec.targets()))
+        return Result({"model_id": model_id})
+
+    def forward_backward(self, call: ForwardBackwardCall) -> Result:
+        name = self.model_name(call.model_id)
+        started = time.perf_counter()
+        logprobs, loss, metrics = self.policies.forward_backward(
+            name, call.examples, call.loss, backward=not call.forward_only
+        )
+        self.record(
+            call.model_id,
+            {
+                "call": "forward" if call.forward_only else "forward_backward",
+                "seq_id": call.seq_id,
+                "loss_fn": call.loss.name,
+                "loss": loss,
+                "datums": len(call.examples),
+                "tokens": metrics["tokens:sum"],
+                "seconds": time.perf_counter() - started,
+            },
+        )
+        return Result(encode_forward_backward(logprobs, metrics), proto=True)
+
+    def optim_step(self, model_id: str, seq_id: int, adam: dict[str, Any] | None) -> Result:
+        name = self.model_name(model_id)
+        defaults = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12}
+        values = {**defaults, "weight_decay": 0.0, "grad_clip_norm": 0.0, **(adam or {})}
+        try:
+            params = AdamParams(**{k: float(values[k]) for k in AdamParams.__dataclass_fields__})
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"adam_params: {exc}") from None
+        if params.learning_rate < 0 or not 0 <= params.beta1 < 1 or not 0 <= params.beta2 < 1:
+            raise UserError(f"adam_params out of range: {params}")
+        started = time.perf_counter()
+        metrics = self.policies.optim_step(name, params)
+        self.record(
+            model_id,
+            {
+                "call": "optim_step",
+                "seq_id": seq_id,
+                "lr": params.learning_rate,
+                **metrics,
+                "seconds": time.perf_counter() - started,
+            },
+        )
+        return Result({"metrics": metrics})
+
+    def state_folder(self, model_id: str, kind: str, name: str) -> Path:
+        if not name or "/" in name or name.startswith("."):
+            raise UserError(f"checkpoint name {name!r}: use a plain name (letters, digits, -_.)")
+        return self.root / safe_name(model_id) / kind / name
+
+    def resolve(self, path: str) -> Path:
+        """tinker://MODEL_ID/weights/NAME -> its folder."""
+        if not path.startswith(TINKER_SCHEME):
+            raise UserError(
+                f"path {path!r}: expected tinker://MODEL_ID/weights/NAME as save_state returned it"
+            )
+        parts = path[len(TINKER_SCHEME) :].split("/")
+        if len(parts) != 3 or parts[1] != "weights":
+            raise UserError(
+                f"path {path!r}: expected tinker://MODEL_ID/weights/NAME as save_state returned it"
+            )
+        folder = self.state_folder(parts[0], "weights", parts[2])
+        if not (folder / "state.json").exists():
+            raise UserError(f"no saved state at {path} ({folder} has none)")
+        return folder
+
+    def save_state(self, model_id: str, name: str) -> Result:
+        adapter = self.model_name(model_id)
+        folder = self.state_folder(model_id, "weights", name)
+        self.policies.save_state(adapter, folder)
+        self.record(model_id, {"call": "save_state", "path": str(folder)})
+        return Result({"path": f"{TINKER_SCHEME}{model_id}/weights/{name}"})
+
+    def load_state(self, model_id: str, path: str, optimizer: bool) -> Result:
+        folder = self.resolve(path)
+        if model_id not in self.models:  # create_training_client_from_state: a new client from the state
+            self.create_model(model_id, self.cfg.model.path, {**self.policies.read_spec(folder).__dict__})
+        try:
+            self.policies.load_state(self.models[model_id], folder, optimizer)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        self.record(model_id, {"call": "load_state", "path": path, "optimizer": optimizer})
+        return Result({"path": path, "model_id": model_id})
+
+    def save_for_sampler(self, model_id: str, name: str | None) -> Result:
+        adapter = self.model_name(model_id)
+        if not name:
+            raise UserError(
+                "save_weights_and_get_sampling_client: sampling is not served by this service yet; use "
+                "save_weights_for_sampler(name) for a PEFT adapter folder that vLLM can load"
+            )
+        folder = self.state_folder(model_id, "sampler_weights", name)
+        self.policies.save_for_sampler(adapter, folder)
+        self.record(model_id, {"call": "save_weights_for_sampler", "path": str(folder)})
+        return Result({"path": f"{TINKER_SCHEME}{model_id}/sampler_weights/{name}"})
+
+    def record(self, model_id: str, row: dict[str, Any]) -> None:
+        """One metrics.jsonl row per call, in the client's own folder."""
+        folder = self.root / safe_name(model_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        with (folder / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"unix_time": time.time(), "model_id": model_id, **row}) + "\n")
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError as exc:
+        raise UserError(f"the body is not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise UserError("the body must be a JSON object")
+    return body
+
+
+def _field(body: dict[str, Any], key: str, kind: type) -> Any:
+    value = body.get(key)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise UserError(f"{key!r} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
+    app = FastAPI(title="local Tinker-protocol service")
+    service = Service(cfg, policies)
+    app.state.service = service
+    api = "/api/v1"
+
+    @app.exception_handler(UserError)
+    async def refused(_: Request, exc: UserError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Any) -> Response:
+        key = cfg.service.api_key
+        if key is not None and request.url.path.startswith(api) and request.headers.get("x-api-key") != key:
+            return JSONResponse({"detail": "wrong or missing X-API-Key (service.api_key)"}, status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": cfg.model.path, "clients": len(service.models)}
+
+    @app.get(f"{api}/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post(f"{api}/client/config")
+    async def client_config() -> dict[str, Any]:
+        return {"use_pyqwest_transport": False}
+
+    @app.post(f"{api}/create_session")
+    async def create_session() -> dict[str, str]:
+        return {"session_id": f"sess-{next(service.sessions)}"}
+
+    @app.post(f"{api}/session_heartbeat")
+    async def heartbeat() -> dict[str, Any]:
+        return {}
+
+    @app.post(f"{api}/telemetry")
+    async def telemetry() -> dict[str, str]:
+        return {"status": "accepted"}
+
+    @app.post(f"{api}/sessions/{{session_id}}/finish")
+    async def finish(session_id: str) -> dict[str, Any]:
+        return {}
+
+    @app.post(f"{api}/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        return await service.retrieve(_field(await _json(request), "request_id", str))
+
+    @app.post(f"{api}/create_model")
+    async def create_model(request: Request) -> dict[str, str]:
+        body = await _json(request)
+        model_id = f"{_field(body, 'session_id', str)}:train:{_field(body, 'model_seq_id', int)}"
+        base, lora = body.get("base_model"), body.get("lora_config") or {}
+        if not isinstance(lora, dict):
+            raise UserError(f"'lora_config' must be an object, got {lora!r}")
+        service.order.setdefault(model_id, Ordered())
+        return {"request_id": service.submit(lambda: service.create_model(model_id, str(base), lora))}
+
+    @app.post(f"{api}/get_info")
+    async def get_info(request: Request) -> dict[str, Any]:
+        model_id = _field(await _json(request), "model_id", str)
+        name = service.model_name(model_id)
+        return {
+            "model_id": model_id,
+            "model_data": {
+                "model_name": cfg.model.path,
+                "arch": policies.arch,
+                "tokenizer_id": policies.model_path,
+            },
+            "is_lora": True,
+            "lora_rank": policies.clients[name].spec.rank,
+        }
+
+    @app.post(f"{api}/forward_backward")
+    async def forward_backward(request: Request) -> dict[str, str]:
+        if request.headers.get("content-encoding") == "zstd":
+            raise UserError("zstd-compressed bodies are not accepted (this service never asks for them)")
+        model_id, seq_id, _, call = decode_forward_backward(await request.body(), policies.vocab_size)
+
+        def work() -> Result:
+            if isinstance(call, UserError):
+                raise call
+            return service.forward_backward(call)
+
+        return {"request_id": service.submit(work, model_id, seq_id)}
+
+    @app.post(f"{api}/optim_step")
+    async def optim_step(request: Request) -> dict[str, str]:
+        body = await _json(request)
+        model_id, seq_id = _field(body, "model_id", str), _field(body, "seq_id", int)
+        adam = body.get("adam_params")
+        if adam is None and body.get("optimizer_params") is not None:
+            raise UserError("only AdamParams are supported (optimizer_params of another type was sent)")
+        return {
+            "request_id": service.submit(lambda: service.optim_step(model_id, seq_id, adam), model_id, seq_id)
+        }
+
+    @app.post(f"{api}/save_weights")
+    async def save_weights(request: Request) -> dict[str, str]:
+        body = await _json(request)
+        model_id, seq_id, name = (
+            _field(body, "model_id", str),
+            _field(body, "seq_id", int),
+            _field(body, "path", str),
+        )
+        return {"request_id": service.submit(lambda: service.save_state(model_id, name), model_id, seq_id)}
+
+    @app.post(f"{api}/load_weights")
+    async def load_weights(request: Request) -> dict[str, str]:
+        body = await _json(request)
+        path, optimizer = _field(body, "path", str), bool(body.get("optimizer", False))
+        if "model_id" in body:
+            model_id, seq_id = _field(body, "model_id", str), _field(body, "seq_id", int)
+            return {
+                "request_id": service.submit(
+                    lambda: service.load_state(model_id, path, optimizer), model_id, seq_id
+                )
+            }
+        new_id = f"{_field(body, 'session_id', str)}:train:{_field(body, 'model_seq_id', int)}"
+        service.order.setdefault(new_id, Ordered())
+        return {"request_id": service.submit(lambda: service.load_state(new_id, path, optimizer))}
+
+    @app.post(f"{api}/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict[str, str]:
+        body = await _json(request)
+        model_id, seq_id, name = _field(body, "model_id", str), _field(body, "seq_id", int), body.get("path")
+        return {
+            "request_id": service.submit(lambda: service.save_for_sampler(model_id, name), model_id, seq_id)
+        }
+
+    @app.post(f"{api}/create_sampling_session")
+    @app.post(f"{api}/asample")
+    async def sampling() -> None:
+        raise UserError(
+            "sampling is not served by this service yet (training only); sample with vLLM or the gateway"
+        )
+
+    return app

@@ -1,0 +1,248 @@
+"""Several LoRA policies on one base model: one PEFT model holds every training client's adapter; each client has its
+own parameters, gradients and AdamW state.
+
+Isolation comes from PEFT's active adapter: a call first makes its client's adapter the active one, which (PEFT's
+set_adapter) also leaves only that adapter's parameters requiring gradients, so a backward pass writes gradients into
+that client's parameters alone, and they stay there, untouched by other clients' calls, until its optim_step. Calls
+are not thread-safe: the service runs them one at a time (they share the base model's forward).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainer.backends.base import AdamParams
+from trainer.backends.local import TokenLogprobs, resolve_device, resolve_dtype, resolve_model_path
+from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
+from trainer.training.config import RunConfig
+from trainer.training.losses import LossInputs, LossParams, compute_loss, compute_reduction_weights
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = ("lm_head",)
+ADAPTER_KEY = "{adapter}"  # stands for the adapter's name in saved parameter names
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    seed: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    def targets(self) -> list[str]:
+        return [
+            *(ATTN if self.train_attn else ()),
+            *(MLP if self.train_mlp else ()),
+            *(UNEMBED if self.train_unembed else ()),
+        ]
+
+
+@dataclass
+class Client:
+    name: str  # the adapter's name in the PEFT model
+    spec: LoraSpec
+    params: dict[str, torch.nn.Parameter]  # by name, the adapter's name replaced by ADAPTER_KEY
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class MultiLora:
+    def __init__(self, cfg: RunConfig, model: Any = None):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.device = resolve_device(cfg)
+        if self.device.type == "cpu" and cfg.trainer.cpu_threads is not None:
+            torch.set_num_threads(cfg.trainer.cpu_threads)
+        self.model_path = resolve_model_path(cfg.model.path)
+        if model is None:
+            kwargs: dict[str, Any] = {"dtype": resolve_dtype(cfg.model.dtype, self.device)}
+            if cfg.model.attn_implementation:
+                kwargs["attn_implementation"] = cfg.model.attn_implementation
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
+        self.base = model.to(self.device)
+        if cfg.model.gradient_checkpointing:
+            self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.base.requires_grad_(False)
+        self.peft: Any = None
+        self.clients: dict[str, Client] = {}
+        self._modules = {name.rsplit(".", 1)[-1] for name, _ in self.base.named_modules()}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.base.get_output_embeddings().weight.shape[0])
+
+    @property
+    def arch(self) -> str:
+        return str(getattr(self.base.config, "model_type", "unknown"))
+
+    # --- adapters ---------------------------------------------------------------------------------------------
+
+    def create(self, name: str, spec: LoraSpec) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        targets = [t for t in spec.targets() if t in self._modules]
+        if not targets:
+            raise ValueError(
+                f"train_attn/train_mlp/train_unembed select none of this model's modules ({spec.targets()})"
+            )
+        config = LoraConfig(
+            r=spec.rank,
+            lora_alpha=self.cfg.lora.alpha,
+            target_modules=targets,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        torch.manual_seed(spec.seed)
+        if self.peft is None:
+            self.peft = get_peft_model(self.base, config, adapter_name=name)
+            self.net = TokenLogprobs(self.peft, self.cfg.trainer.logprob_chunk_tokens)
+        else:
+            self.peft.add_adapter(name, config)
+        marker = f".{name}."
+        params = {}
+        for pname, p in self.peft.named_parameters():
+            if marker in pname and "lora_" in pname:
+                p.data = p.data.float()  # fp32 LoRA over any base: Adam steps of lr*1e-3 vanish in bf16
+                params[pname.replace(marker, f".{ADAPTER_KEY}.")] = p
+        optimizer = torch.optim.AdamW(list(params.values()), lr=self.cfg.optim.lr)
+        self.clients[name] = Client(name, spec, params, optimizer)
+
+    def _activate(self, name: str) -> Client:
+        client = self.clients[name]
+        self.peft.set_adapter(name)
+        return client
+
+    # --- training ---------------------------------------------------------------------------------------------
+
+    def forward_backward(
+        self, name: str, examples: Sequence[TrainingExample], loss: LossParams, backward: bool
+    ) -> tuple[list[list[float]], float, dict[str, float]]:
+        """Target logprobs per example, the summed loss (Tinker's reduction), and its gradients accumulated into the
+        client's adapter when `backward`."""
+        started = time.perf_counter()
+        self._activate(name)
+        self.peft.train(backward)
+        logprobs: dict[int, list[float]] = {}
+        total = 0.0
+        budget = self.cfg.trainer.micro_batch_tokens
+        with torch.enable_grad() if backward else torch.no_grad():
+            for plan in plan_micro_batches([len(e) for e in examples], budget):
+                batch = {
+                    k: v.to(self.device) for k, v in examples_to_tensors([examples[i] for i in plan]).items()
+                }
+                # Every real token's logprob, whatever its weight: forward() answers them all (a custom loss
+                # gets them from a cross_entropy forward whose weights are zero).
+                lp_BT = self.net(
+                    batch["input_ids_BT"],
+                    batch["attention_mask_BT"],
+                    batch["target_ids_BT"],
+                    batch["attention_mask_BT"],
+                    None,
+                )
+                inputs = LossInputs(
+                    trainer_logprobs_BT=lp_BT,
+                    sampler_logprobs_BT=batch["sampler_logprobs_BT"],
+                    advantages_BT=batch["advantages_BT"],
+                    mask_BT=batch["mask_BT"],
+                    reduction_weights_BT=compute_reduction_weights(batch["mask_BT"], "sum", 0.0, 0),
+                )
+                value, _ = compute_loss(inputs, loss)
+                if backward:
+                    value.backward()
+                total += float(value.detach().item())
+                for row, i in enumerate(plan):
+                    logprobs[i] = lp_BT[row, : len(examples[i])].detach().float().cpu().tolist()
+        tokens = float(sum(len(e) for e in examples))
+        metrics = {"loss:sum": total, "tokens:sum": tokens, "seconds:max": time.perf_counter() - started}
+        return [logprobs[i] for i in range(len(examples))], total, metrics
+
+    def optim_step(self, name: str, adam: AdamParams) -> dict[str, float]:
+        client = self._activate(name)
+        for group in client.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
+        params = list(client.params.values())
+        max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm).item())
+        skipped = not np.isfinite(grad_norm)
+        if not skipped:  # a NaN/inf gradient would poison every weight of this adapter: drop the update
+            client.optimizer.step()
+        client.optimizer.zero_grad(set_to_none=True)
+        client.steps += 1
+        return {"grad_norm": grad_norm, "skipped_nonfinite": float(skipped), "step": float(client.steps)}
+
+    # --- state ------------------------------------------------------------------------------------------------
+
+    def save_state(self, name: str, folder: Path) -> None:
+        """Adapter weights, AdamW state, step count and LoRA spec: what load_state needs to continue exactly."""
+        client = self.clients[name]
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {k: p.detach().cpu().contiguous() for k, p in client.params.items()},
+            folder / "adapter.safetensors",
+        )
+        torch.save(client.optimizer.state_dict(), folder / "optimizer.pt")
+        meta = {"spec": client.spec.__dict__, "steps": client.steps, "order": list(client.params)}
+        (folder / "state.json").write_text(json.dumps(meta))
+
+    @staticmethod
+    def read_spec(folder: Path) -> LoraSpec:
+        return LoraSpec(**json.loads((folder / "state.json").read_text())["spec"])
+
+    def load_state(self, name: str, folder: Path, optimizer: bool) -> None:
+        client = self.clients[name]
+        meta = json.loads((folder / "state.json").read_text())
+        if LoraSpec(**meta["spec"]) != client.spec or meta["order"] != list(client.params):
+            raise ValueError(
+                f"the state in {folder} is of another adapter shape ({meta['spec']}) than this client's "
+                f"({client.spec.__dict__}); create the client from the state instead"
+            )
+        weights = load_file(folder / "adapter.safetensors")
+        with torch.no_grad():
+            for key, p in client.params.items():
+                p.copy_(weights[key].to(p.device))
+        if optimizer:
+            client.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+            client.steps = int(meta["steps"])
+        else:
+            client.optimizer.state.clear()
+            client.steps = 0
+        client.optimizer.zero_grad(set_to_none=True)
+
+    def save_for_sampler(self, name: str, folder: Path) -> None:
+        """The adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors) that vLLM can load."""
+        self._activate(name)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.peft.save_pretrained(str(folder), selected_adapters=[name])
+        nested = folder / name  # PEFT writes a non-default adapter into a subfolder of its name
+        if nested.is_dir():
+            for item in nested.iterdir():
+                item.replace(folder / item.name)
+            nested.rmdir()
+
+    def snapshot(self, name: str) -> dict[str, torch.Tensor]:
+        """The client's weights and Adam moments, copied (tests compare them bit for bit)."""
+        client = self.clients[name]
+        out = {f"w/{k}": p.detach().clone() for k, p in client.params.items()}
+        for i, p in enumerate(client.params.values()):
+            for key, value in client.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value):
+                    out[f"adam/{i}/{key}"] = value.detach().clone()
+        return out

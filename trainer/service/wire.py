@@ -1,0 +1,202 @@
+"""The tinker SDK's protobuf payloads for forward / forward_backward, to and from the trainer's own types.
+
+Pure conversion, no I/O. The message classes are the ones the SDK ships (`tinker.proto.tinker_public_pb2`): the wire
+types this service speaks. Every refusal is a UserError whose message names the datum, the field, the value seen
+and what to send instead; the service returns it in the SDK's error format (the SDK raises RequestFailedError).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tinker.proto import tinker_public_pb2 as pb
+
+from trainer.training.batch import TrainingExample
+from trainer.training.losses import RATIO_LOSSES, LossParams
+
+# Tinker's loss names this service computes (trainer.training.losses), and the loss_fn_config keys each takes.
+LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
+    "cross_entropy": frozenset(),
+    "importance_sampling": frozenset({"tis_cap"}),
+    "ppo": frozenset({"clip_low_threshold", "clip_high_threshold", "tis_cap"}),
+    "cispo": frozenset({"clip_low_threshold", "clip_high_threshold", "tis_cap"}),
+    "grpo": frozenset({"clip_low_threshold", "clip_high_threshold", "tis_cap"}),
+    "dro": frozenset({"beta"}),
+}
+INPUT_KEYS = frozenset({"target_tokens", "weights", "logprobs", "advantages"})
+
+_DTYPES: dict[int, Any] = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+
+
+class UserError(ValueError):
+    """A request this service refuses: the caller's to fix."""
+
+
+@dataclass(frozen=True)
+class ForwardBackwardCall:
+    model_id: str
+    seq_id: int
+    forward_only: bool
+    loss: LossParams
+    examples: list[TrainingExample]
+
+
+def _array(tensor: pb.Tensor, where: str) -> np.ndarray:
+    if tensor.dtype == pb.DTYPE_BFLOAT16:
+        raw = tensor.dense if tensor.WhichOneof("encoding") == "dense" else tensor.sparse_csr.values
+        dense = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+        if tensor.WhichOneof("encoding") == "dense":
+            return dense.reshape(list(tensor.shape) or [-1])
+        values = dense
+    elif tensor.dtype not in _DTYPES:
+        raise UserError(
+            f"{where}: tensor dtype {pb.DType.Name(tensor.dtype)} is not supported (send float32 or int64)"
+        )
+    else:
+        dtype = _DTYPES[tensor.dtype]
+        if tensor.WhichOneof("encoding") == "dense":
+            return np.frombuffer(tensor.dense, dtype).reshape(list(tensor.shape) or [-1])
+        values = np.frombuffer(tensor.sparse_csr.values, dtype)
+    shape = list(tensor.shape)
+    if len(shape) != 2:
+        raise UserError(f"{where}: a sparse tensor needs a 2-D shape, got {shape}")
+    crow = np.frombuffer(tensor.sparse_csr.crow_indices, np.int64)
+    col = np.frombuffer(tensor.sparse_csr.col_indices, np.int64)
+    out = np.zeros(shape, values.dtype)
+    for row in range(shape[0]):
+        out[row, col[crow[row] : crow[row + 1]]] = values[crow[row] : crow[row + 1]]
+    return out
+
+
+def _vector(datum: pb.Datum, key: str, index: int, length: int) -> np.ndarray | None:
+    if key not in datum.loss_fn_inputs:
+        return None
+    where = f"data[{index}].loss_fn_inputs[{key!r}]"
+    values = _array(datum.loss_fn_inputs[key], where)
+    if values.ndim != 1:
+        values = values.reshape(-1) if values.size == length else values
+    if values.ndim != 1 or values.shape[0] != length:
+        raise UserError(
+            f"{where}: shape {list(values.shape)}, but model_input has {length} tokens; send one value per "
+            "model_input token (position t scores target_tokens[t])"
+        )
+    return values
+
+
+def _tokens(datum: pb.Datum, index: int) -> list[int]:
+    ids: list[int] = []
+    for j, chunk in enumerate(datum.model_input):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise UserError(
+                f"data[{index}].model_input.chunks[{j}] is {kind!r}: this service trains on text only "
+                "(send ModelInput.from_ints(token ids))"
+            )
+        ids.extend(int(t) for t in np.frombuffer(chunk.encoded_text.tokens, np.int32))
+    if not ids:
+        raise UserError(f"data[{index}].model_input has no tokens")
+    return ids
+
+
+def _loss_params(name: str, config: dict[str, float | str]) -> LossParams:
+    if name not in LOSS_CONFIG_KEYS:
+        raise UserError(f"loss_fn {name!r} is not supported here; supported: {sorted(LOSS_CONFIG_KEYS)}")
+    unknown = sorted(set(config) - LOSS_CONFIG_KEYS[name])
+    if unknown:
+        allowed = sorted(LOSS_CONFIG_KEYS[name]) or "none"
+        raise UserError(f"loss_fn_config keys {unknown} do not apply to {name!r} (it takes: {allowed})")
+    numbers: dict[str, float] = {}
+    for key, value in config.items():
+        if not isinstance(value, float):
+            raise UserError(f"loss_fn_config[{key!r}] = {value!r}: a number is expected")
+        numbers[key] = value
+    return LossParams(
+        name=name,  # type: ignore[arg-type]
+        clip_low_threshold=numbers.get("clip_low_threshold"),
+        clip_high_threshold=numbers.get("clip_high_threshold"),
+        beta=numbers.get("beta", LossParams().beta),
+        tis_cap=numbers.get("tis_cap"),
+    )
+
+
+def _config(request: pb.ForwardBackwardRequest) -> dict[str, float | str]:
+    config: dict[str, float | str] = {k: float(v) for k, v in request.loss_fn_config.items()}
+    for key, value in request.loss_fn_config_v2.items():
+        config[key] = value.number if value.WhichOneof("value") == "number" else value.text
+    return config
+
+
+def to_example(datum: pb.Datum, index: int, loss: LossParams, vocab_size: int) -> TrainingExample:
+    unknown = sorted(set(datum.loss_fn_inputs) - INPUT_KEYS)
+    if unknown:
+        raise UserError(
+            f"data[{index}].loss_fn_inputs has {unknown}; this service reads {sorted(INPUT_KEYS)}"
+        )
+    ids = _tokens(datum, index)
+    n = len(ids)
+    targets = _vector(datum, "target_tokens", index, n)
+    if targets is None:
+        raise UserError(
+            f"data[{index}].loss_fn_inputs needs 'target_tokens' ({n} ids, one per model_input token)"
+        )
+    for name, values in (("model_input", np.asarray(ids)), ("target_tokens", targets)):
+        bad = values[(values < 0) | (values >= vocab_size)]
+        if bad.size:
+            raise UserError(
+                f"data[{index}].{name} has token id {int(bad[0])}, outside the vocabulary [0, {vocab_size})"
+            )
+    weights = _vector(datum, "weights", index, n)
+    sampler = _vector(datum, "logprobs", index, n)
+    advantages = _vector(datum, "advantages", index, n)
+    if loss.name != "cross_entropy" and advantages is None:
+        raise UserError(f"data[{index}]: loss_fn {loss.name!r} needs loss_fn_inputs['advantages']")
+    if (loss.name in RATIO_LOSSES or loss.name == "dro") and sampler is None:
+        raise UserError(
+            f"data[{index}]: loss_fn {loss.name!r} needs loss_fn_inputs['logprobs'] (the sampler's)"
+        )
+    for key, given in (("weights", weights), ("logprobs", sampler), ("advantages", advantages)):
+        if given is not None and not np.isfinite(given).all():
+            raise UserError(f"data[{index}].loss_fn_inputs[{key!r}] holds NaN or inf")
+    return TrainingExample(
+        input_ids=ids,
+        target_ids=[int(t) for t in targets],
+        loss_mask=[float(w) for w in weights] if weights is not None else [1.0] * n,
+        sampler_logprobs=[float(x) for x in sampler] if sampler is not None else [0.0] * n,
+        advantages=[float(a) for a in advantages] if advantages is not None else [0.0] * n,
+    )
+
+
+def decode_forward_backward(body: bytes, vocab_size: int) -> tuple[str, int, bool, Any]:
+    """(model_id, seq_id, forward_only, the call or the UserError refusing it): a refused call still takes its
+    place in the model's order, so the calls after it run."""
+    request = pb.ForwardBackwardRequest()
+    try:
+        request.ParseFromString(body)
+    except Exception as exc:  # protobuf's DecodeError
+        raise UserError(f"the body is not a tinker ForwardBackwardRequest ({exc})") from None
+    try:
+        if not request.data:
+            raise UserError("forward_backward needs at least one datum")
+        loss = _loss_params(request.loss_fn, _config(request))
+        examples = [to_example(d, i, loss, vocab_size) for i, d in enumerate(request.data)]
+        call: Any = ForwardBackwardCall(
+            request.model_id, request.seq_id, request.forward_only, loss, examples
+        )
+    except UserError as exc:
+        call = exc
+    return request.model_id, request.seq_id, request.forward_only, call
+
+
+def encode_forward_backward(logprobs: list[list[float]], metrics: dict[str, float]) -> bytes:
+    """ForwardBackwardOutput: each datum's target logprobs, and metrics named `name:reduction` as the SDK requires."""
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)
+    record = out.loss_fn_outputs.add()
+    record.num_datums = len(logprobs)
+    field = record.fields["logprobs"]
+    field.dtype = pb.DTYPE_FLOAT32
+    arrays = [np.asarray(lp, np.float32) for lp in logprobs]
+    field.data = b"".join(a.tobytes() for a in arrays)
+    field.offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64).tobytes()
+    return out.SerializeToString()

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -45,8 +46,6 @@ def service(tmp_path_factory) -> Iterator[tuple[str, Path]]:
         line = proc.stdout.readline()
         assert line.startswith("listening on "), (line, (out / "service.log").read_text())
         url = line.split()[-1]
-        import httpx
-
         wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "the service healthy", 0.2)
         yield url, out
     finally:
@@ -219,3 +218,19 @@ def test_refusals_reach_the_sdk_as_errors_and_the_client_goes_on(service):
     assert tc.forward_backward(BATCH, "importance_sampling").result().metrics["loss:sum"] != 0.0
     with pytest.raises(tinker.RequestFailedError, match="trains 'tiny'"):
         client(url).create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
+
+
+def test_closing_a_session_releases_its_clients(service):
+    url, _ = service
+    sc = client(url)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4).result()
+    tc.forward_backward(BATCH, "importance_sampling").result()
+
+    def clients() -> int:
+        return int(httpx.get(f"{url}/health").json()["clients"])
+
+    before = clients()
+    sc.close("success")
+    wait_until(lambda: clients() == before - 1, 30, "the closed session's client released", 0.1)
+    again = client(url).create_lora_training_client(base_model="tiny", rank=4).result()
+    assert again.forward_backward(BATCH, "importance_sampling").result().metrics["loss:sum"] != 0.0

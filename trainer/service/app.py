@@ -138,6 +138,15 @@ class Service:
 
     # --- training clients -------------------------------------------------------------------------------------
 
+    def release_session(self, session_id: str) -> Result:
+        """The SDK's close(): the session's training clients are gone (their saved states stay on disk)."""
+        prefix = f"{session_id}:train:"
+        for model_id in [m for m in self.models if m.startswith(prefix)]:
+            self.policies.release(self.models.pop(model_id))
+            self.order.pop(model_id, None)
+            self.record(model_id, {"call": "release"})
+        return Result({})
+
     def model_name(self, model_id: str) -> str:
         name = self.models.get(model_id)
         if name is None:
@@ -334,6 +343,7 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
 
     @app.post(f"{api}/sessions/{{session_id}}/finish")
     async def finish(session_id: str) -> dict[str, Any]:
+        service.submit(lambda: service.release_session(session_id))  # after the calls already queued
         return {}
 
     @app.post(f"{api}/retrieve_future")

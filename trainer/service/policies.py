@@ -78,6 +78,7 @@ class MultiLora:
         self.base.requires_grad_(False)
         self.peft: Any = None
         self.clients: dict[str, Client] = {}
+        self._dormant: list[str] = []  # released adapters PEFT still holds
         self._modules = {name.rsplit(".", 1)[-1] for name, _ in self.base.named_modules()}
 
     @property
@@ -119,6 +120,22 @@ class MultiLora:
                 params[pname.replace(marker, f".{ADAPTER_KEY}.")] = p
         optimizer = torch.optim.AdamW(list(params.values()), lr=self.cfg.optim.lr)
         self.clients[name] = Client(name, spec, params, optimizer)
+        self._drop_dormant()
+
+    def release(self, name: str) -> None:
+        """Forget a client: its adapter, gradients and Adam state go. PEFT keeps at least one adapter, so the last
+        one stays loaded (unused) until the next client is created."""
+        del self.clients[name]
+        self._dormant.append(name)
+        self._drop_dormant()
+
+    def _drop_dormant(self) -> None:
+        for name in list(self._dormant):
+            if len(self.peft.peft_config) > 1:
+                if self.peft.active_adapter == name:
+                    self.peft.set_adapter(next(n for n in self.peft.peft_config if n != name))
+                self.peft.delete_adapter(name)
+                self._dormant.remove(name)
 
     def _activate(self, name: str) -> Client:
         client = self.clients[name]

@@ -3,6 +3,7 @@
 #   bash launch.sh ENV [--backend local|tinker] [--config FILE] [key=value ...] [--dry-run] [--resume RUN_DIR]
 #   sbatch [sbatch options] launch.sh ENV ...   the same run as a SLURM job (submit from the repository folder)
 #   bash launch.sh --setup        only create/update .venv (first run: ~2 min, ~3 GB on CPU)
+#   bash launch.sh service [--config FILE] [k=v ...]   the local Tinker-protocol service (README)
 # Sets up .venv on first use, then hands over to `python -m trainer.orchestration.launcher`, which starts run-api, the gateway
 # with vLLM, the environment(s) and the trainer (each as an srun step under SLURM), and stops them all when the
 # run ends or fails. The #SBATCH lines below are defaults for the reference recipe (one node, one GPU); options
@@ -59,7 +60,7 @@ setup_env() {
 }
 
 if [ "${1:-}" = "--setup" ]; then setup_env; exit 0; fi
-case "${1:-}" in ""|-h|--help) sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//' >&2; [ -n "${1:-}" ]; exit $? ;; esac
+case "${1:-}" in ""|-h|--help) sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//' >&2; [ -n "${1:-}" ]; exit $? ;; esac
 setup_env
 export TOKENIZERS_PARALLELISM=false WANDB_MODE="${WANDB_MODE:-offline}"
 if [ "$1" = "service" ]; then shift; exec "$VENV/bin/python" -m trainer.service "$@"; fi

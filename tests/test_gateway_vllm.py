@@ -261,7 +261,8 @@ def test_request_in_flight_during_publish_completes_on_its_adapter(gateway, adap
             timeout=300,
             json={
                 "prompt": {"prompt_token_ids": [9, 10, 11]},
-                "n": 16,
+                # Long enough to outlast the publish on a fast machine (16 x 400 tokens ended 40 ms before it once).
+                "n": 48,
                 "max_tokens": 400,
                 "temperature": 1.0,
                 "ignore_eos": True,

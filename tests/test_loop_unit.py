@@ -96,6 +96,8 @@ def test_progress_line_handles_steps_without_update():
     }
     line = progress_line(row, 10)
     assert "step    3/10" in line and "loss -" in line and "v2" in line
+    # A stop cut the step's publish short: its row has no publish time (the resume publishes it again).
+    assert "publish -s" in progress_line({**row, "time/publish_s": None}, 10)
 
 
 def test_toy_reward():

@@ -97,6 +97,26 @@ def build_peft_model(cfg: RunConfig, device: torch.device, model: Any = None) ->
     return peft_model
 
 
+def adamw_step(optimizer: torch.optim.Optimizer, params: list[Any], adam: AdamParams) -> tuple[float, bool]:
+    """One AdamW update with this step's hyperparameters, the gradients clipped to adam.grad_clip_norm (0: not
+    clipped), then cleared. A NaN/inf gradient norm skips the update: it would poison every LoRA weight and the next
+    checkpoint. Returns (gradient norm, skipped)."""
+    for group in optimizer.param_groups:
+        group.update(
+            lr=adam.learning_rate,
+            betas=(adam.beta1, adam.beta2),
+            eps=adam.eps,
+            weight_decay=adam.weight_decay,
+        )
+    max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm).item())
+    skipped = not np.isfinite(grad_norm)
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped
+
+
 class TokenLogprobs(torch.nn.Module):
     """The differentiable part of a step as one module (what DDP wraps): token logprobs of a padded batch."""
 
@@ -269,22 +289,7 @@ class LocalBackend:
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         started = time.perf_counter()
-        for group in self.optimizer.param_groups:
-            group.update(
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-            )
-        max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm).item())
-        skipped = not np.isfinite(grad_norm)
-        if skipped:
-            # A NaN/inf gradient would poison every LoRA weight and the next checkpoint: drop this update.
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, skipped = adamw_step(self.optimizer, self.params, adam)
         self._step += 1
         return {
             "optim/grad_norm": grad_norm,

@@ -65,7 +65,7 @@ def progress_line(row: dict[str, Any], total: int) -> str:
         f"step {row['step']:>4}/{total} | v{row['policy_version']} | reward {fmt('reward/mean', '.3f')} | "
         f"loss {fmt('loss', '+.4f')} | "
         f"step {row['time/step_s']:.2f}s (wait {row['time/wait_for_batch_s']:.2f}s, train "
-        f"{row['time/train_s']:.2f}s, publish {row['time/publish_s']:.2f}s) | staleness "
+        f"{row['time/train_s']:.2f}s, publish {fmt('time/publish_s', '.2f')}s) | staleness "
         f"{row['policy/staleness_mean']:.2f}/{row['policy/staleness_max']:.0f} | dropped stale "
         f"{row['rollouts/dropped_stale']:.0f}"
     )

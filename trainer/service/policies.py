@@ -16,12 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.backends.base import AdamParams
-from trainer.backends.local import TokenLogprobs, resolve_device, resolve_dtype, resolve_model_path
+from trainer.backends.local import (
+    TokenLogprobs,
+    adamw_step,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
 from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
 from trainer.training.config import RunConfig
 from trainer.training.losses import LossInputs, LossParams, compute_loss, compute_reduction_weights
@@ -188,20 +193,7 @@ class MultiLora:
 
     def optim_step(self, name: str, adam: AdamParams) -> dict[str, float]:
         client = self._activate(name)
-        for group in client.optimizer.param_groups:
-            group.update(
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-            )
-        params = list(client.params.values())
-        max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm).item())
-        skipped = not np.isfinite(grad_norm)
-        if not skipped:  # a NaN/inf gradient would poison every weight of this adapter: drop the update
-            client.optimizer.step()
-        client.optimizer.zero_grad(set_to_none=True)
+        grad_norm, skipped = adamw_step(client.optimizer, list(client.params.values()), adam)
         client.steps += 1
         return {"grad_norm": grad_norm, "skipped_nonfinite": float(skipped), "step": float(client.steps)}
 

@@ -234,3 +234,19 @@ def test_closing_a_session_releases_its_clients(service):
     wait_until(lambda: clients() == before - 1, 30, "the closed session's client released", 0.1)
     again = client(url).create_lora_training_client(base_model="tiny", rank=4).result()
     assert again.forward_backward(BATCH, "importance_sampling").result().metrics["loss:sum"] != 0.0
+
+
+def test_sampler_weights_pass_the_gateways_adapter_check(service, tiny_model_path):
+    """save_weights_for_sampler writes a PEFT folder that the gateway's pre-load check (what runs before vLLM loads
+    an adapter) accepts, lm_head included."""
+    from inference.adapters import base_linear_shapes, validate_adapter
+
+    url, out = service
+    tc = client(url).create_lora_training_client(base_model="tiny", rank=8).result()
+    tc.forward_backward(BATCH, "importance_sampling")
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    folder = folder_of(out, tc.save_weights_for_sampler("s1").result().path)
+    assert (folder / "adapter_config.json").exists() and (folder / "adapter_model.safetensors").exists()
+    validate_adapter(str(folder), base_linear_shapes(str(tiny_model_path)), max_rank=8, max_abs=1e3)
+    with pytest.raises(tinker.RequestFailedError, match="exist already"):
+        tc.save_weights_for_sampler("s1").result()

@@ -117,6 +117,21 @@ def adamw_step(optimizer: torch.optim.Optimizer, params: list[Any], adam: AdamPa
     return grad_norm, skipped
 
 
+def write_peft_adapter(peft_model: Any, adapter: str, dest: Path, dtype: torch.dtype) -> None:
+    """One adapter of `peft_model` as a vLLM-loadable folder (LoRA tensors only, in `dtype`), written atomically;
+    an existing folder is never overwritten."""
+    from peft import get_peft_model_state_dict
+
+    if dest.exists():
+        raise FileExistsError(f"{dest} exists: adapter folders are never overwritten")
+    state = get_peft_model_state_dict(peft_model, adapter_name=adapter, save_embedding_layers=False)
+    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
+    with _atomic_dir(dest) as tmp:
+        save_file(tensors, str(tmp / ADAPTER_FILE))
+        failpoint("adapter-save")
+        peft_model.peft_config[adapter].save_pretrained(str(tmp))
+
+
 class TokenLogprobs(torch.nn.Module):
     """The differentiable part of a step as one module (what DDP wraps): token logprobs of a padded batch."""
 
@@ -327,16 +342,7 @@ class LocalBackend:
         return str(dest)
 
     def _write_adapter(self, dest: Path, dtype: torch.dtype) -> None:
-        from peft import get_peft_model_state_dict
-
-        if dest.exists():
-            raise FileExistsError(f"{dest} exists: adapter folders are never overwritten")
-        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
-        tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
-        with _atomic_dir(dest) as tmp:
-            save_file(tensors, str(tmp / ADAPTER_FILE))
-            failpoint("adapter-save")
-            self.model.peft_config["default"].save_pretrained(str(tmp))
+        write_peft_adapter(self.model, "default", dest, dtype)
 
     def save_state(self, name: str) -> str:
         dest = self.output_dir / "checkpoints" / name

@@ -173,7 +173,10 @@ class Service:
             train_unembed=bool(lora.get("train_unembed", True)),
         )
         name = f"m{next(self.adapters)}"
-        self.policies.create(name, spec)
+        try:
+            self.policies.create(name, spec)
+        except ValueError as exc:  # the flags select none of this model's modules
+            raise UserError(str(exc)) from None
         self.models[model_id] = name
         self.order.setdefault(model_id, Ordered())
         self.record(model_id, {"call": "create_model", **spec.__dict__})
@@ -268,9 +271,11 @@ class Service:
         if not name:
             raise UserError(
                 "save_weights_and_get_sampling_client: sampling is not served by this service yet; use "
-                "save_weights_for_sampler(name) for a PEFT adapter folder that vLLM can load"
+                "save_weights_for_sampler(name) for a PEFT adapter folder for vLLM"
             )
         folder = self.state_folder(model_id, "sampler_weights", name)
+        if folder.exists():
+            raise UserError(f"sampler weights {name!r} exist already for {model_id}: pick another name")
         self.policies.save_for_sampler(adapter, folder)
         self.record(model_id, {"call": "save_weights_for_sampler", "path": str(folder)})
         return Result({"path": f"{TINKER_SCHEME}{model_id}/sampler_weights/{name}"})

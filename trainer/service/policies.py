@@ -26,6 +26,7 @@ from trainer.backends.local import (
     resolve_device,
     resolve_dtype,
     resolve_model_path,
+    write_peft_adapter,
 )
 from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
 from trainer.training.config import RunConfig
@@ -236,15 +237,9 @@ class MultiLora:
         client.optimizer.zero_grad(set_to_none=True)
 
     def save_for_sampler(self, name: str, folder: Path) -> None:
-        """The adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors) that vLLM can load."""
-        self._activate(name)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.peft.save_pretrained(str(folder), selected_adapters=[name])
-        nested = folder / name  # PEFT writes a non-default adapter into a subfolder of its name
-        if nested.is_dir():
-            for item in nested.iterdir():
-                item.replace(folder / item.name)
-            nested.rmdir()
+        """The adapter as a PEFT folder for vLLM (checked against the gateway's pre-load adapter check)."""
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        write_peft_adapter(self.peft, name, folder, torch.float32)
 
     def snapshot(self, name: str) -> dict[str, torch.Tensor]:
         """The client's weights and Adam moments, copied (tests compare them bit for bit)."""

@@ -29,6 +29,7 @@ from inference.gate import Gate
 from inference.guard import BodyGuard
 from inference.intake import json_object, move_stop_ids, parse_generate, validation_message
 from inference.lanes import SoloLane
+from inference.named import NamedAdapters, named_routes
 from inference.policy import Policy, PolicyRegistry, VersionLedger
 from inference.probe_check import ProbeCheck, compare_probe
 from inference.wire import (
@@ -109,11 +110,17 @@ class Gateway:
     """State shared by the routes: policies, ledger, limits."""
 
     def __init__(
-        self, cfg: GatewayConfig, backend: SamplingBackend, registry: PolicyRegistry, vocab_size: int
+        self,
+        cfg: GatewayConfig,
+        backend: SamplingBackend,
+        registry: PolicyRegistry,
+        vocab_size: int,
+        named: NamedAdapters | None = None,
     ):
         self.cfg = cfg
         self.backend = backend
         self.registry = registry
+        self.named = named or NamedAdapters()  # the Tinker-protocol service's adapters (inference/named.py)
         self.ledger = VersionLedger(cfg.ledger_size, registry.timeline)
         self.instance = secrets.token_hex(8)  # tells a client this gateway from one restarted since
         self.vocab_size = vocab_size
@@ -356,8 +363,9 @@ def create_app(
     registry: PolicyRegistry,
     vocab_size: int,
     start_backend: bool = True,
+    named: NamedAdapters | None = None,
 ) -> FastAPI:
-    gw = Gateway(cfg, backend, registry, vocab_size)
+    gw = Gateway(cfg, backend, registry, vocab_size, named)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -383,6 +391,7 @@ def create_app(
     app.include_router(sampling_routes(gw))
     app.include_router(openai_routes(gw))
     app.include_router(policy_routes(gw))
+    app.include_router(named_routes(gw))
     return app
 
 
@@ -557,6 +566,7 @@ def policy_routes(gw: Gateway) -> APIRouter:
             healthy=backend.ready,
             state=backend.state,
             restarts=backend.restarts,
+            restart_reasons=list(getattr(backend, "restart_reasons", [])),
             requests_total=gw.stats.requests_total,
             rejected_total=gw.stats.rejected_total,
             rejected_by_reason=dict(gw.stats.rejected_by_reason),

@@ -67,6 +67,10 @@ class ReplicaSet:
         return sum(r.restarts for r in self.replicas)
 
     @property
+    def restart_reasons(self) -> list[str]:
+        return [f"replica {i}: {why}" for i, r in enumerate(self.replicas) for why in r.restart_reasons][-10:]
+
+    @property
     def max_model_len(self) -> int | None:
         return next((r.max_model_len for r in self.replicas if r.max_model_len is not None), None)
 

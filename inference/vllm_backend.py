@@ -179,6 +179,7 @@ class VLLMBackend:
         )
         self.state = "stopped"  # starting | ready | restarting | failed | stopped
         self.restarts = 0
+        self.restart_reasons: list[str] = []  # why each crash restart happened, oldest first (the last 10)
         self.max_model_len: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._ready = asyncio.Event()
@@ -311,6 +312,7 @@ class VLLMBackend:
             self._ready.clear()
             self.state = "restarting"
             log.error("vLLM (pid %s) %s; restarting", self.pid, reason)
+            self.restart_reasons = [*self.restart_reasons[-9:], reason]
             await self._kill(SHORT_KILL_GRACE_S)  # dead or hung: nothing worth waiting for
             if self.restarts >= self.cfg.vllm.max_restarts:
                 self.state = "failed"

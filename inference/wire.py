@@ -340,6 +340,7 @@ class PolicyStatus(BaseModel):
     healthy: bool
     state: str
     restarts: int
+    restart_reasons: list[str] = Field(default_factory=list)  # the sampler's last crash restarts, why each
     backend_url: str | None = None
     backend_pid: int | None = None
     backend_pids: list[int | None] = Field(default_factory=list)
@@ -357,3 +358,30 @@ class PolicyStatus(BaseModel):
     gate_held_total: int = 0
     gate_expired_total: int = 0
     gate_refills_total: int = 0  # times requests over the quota went through on the current version after all
+
+
+class NamedAdapterLoad(BaseModel):
+    """POST /adapters/load: serve the PEFT folder `adapter_path` under `name` (inference/named.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    adapter_path: str = Field(min_length=1)
+
+
+class NamedAdapterLoaded(BaseModel):
+    name: str
+    lora_name: str
+    load_s: float
+    noop: bool = False  # it was loaded already (a retried load)
+
+
+class NamedAdapterUnload(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedSampleResponse(BaseModel):
+    """POST /adapters/generate: the samples of one prompt, with their logprobs (and prompt logprobs when asked)."""
+
+    adapter: str | None
+    samples: list[Sample]

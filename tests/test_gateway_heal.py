@@ -365,10 +365,12 @@ def test_kill_9_of_vllm_mid_request_heals(own_gateway, heal_adapters, victim):
     )
     assert result["status"] == 200, result
     assert result["version"] == str(v) and len(result["body"]["token_ids"]) == 48
-    # 0.2-0.3 s measured alone; 5.4 s once with a second toy run loading both cores. The old code stayed 200 for
-    # 5-10 s (until the dead group was reaped): 3 s still tells the two apart.
-    limit = 3.0 if victim == "api_server" else 2 * vllm_backend.HEALTH_INTERVAL_S + 2 * 5 + 1
-    assert unhealthy_after < limit
+    # How the death was noticed, not how fast (0.2-0.3 s alone, 3.9 s once in CI, 5.4 s next to a toy run): a dead
+    # API server is seen by its exit, at the supervisor's next tick; the old code waited for the health probes.
+    reasons = status(url)["restart_reasons"]
+    if victim == "api_server":
+        assert reasons and reasons[-1] == "exited with code -9", reasons
+    assert unhealthy_after < 2 * vllm_backend.HEALTH_INTERVAL_S + 2 * 5 + 1
     after, version = echo_logprobs(url)
     assert version == v
     assert max(abs(a - b) for a, b in zip(before, after)) < 1e-5, (

@@ -63,5 +63,5 @@ if [ "${1:-}" = "--setup" ]; then setup_env; exit 0; fi
 case "${1:-}" in ""|-h|--help) sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//' >&2; [ -n "${1:-}" ]; exit $? ;; esac
 setup_env
 export TOKENIZERS_PARALLELISM=false WANDB_MODE="${WANDB_MODE:-offline}"
-if [ "$1" = "service" ]; then shift; exec "$VENV/bin/python" -m trainer.service "$@"; fi
+if [ "$1" = "service" ]; then shift; exec "$VENV/bin/python" -m trainer.orchestration.service_launch "$@"; fi
 exec "$VENV/bin/python" -m trainer.orchestration.launcher "$@"

@@ -24,6 +24,7 @@ import uvicorn
 
 from inference.app import SamplingBackend, create_app
 from inference.config import GatewayConfig, GatewayConfigError, load_gateway_config
+from inference.named import NamedAdapters
 from inference.policy import Policy, PolicyRegistry
 from inference.replicas import ReplicaSet
 from inference.vllm_backend import VLLMBackend, build_vllm_command, free_port
@@ -73,15 +74,17 @@ def build_tinker_sampler(cfg: GatewayConfig) -> tuple[SamplingBackend, int]:
 
 
 def build_vllm_replicas(
-    cfg: GatewayConfig, model_path: str, log_dir: Path, registry: PolicyRegistry
+    cfg: GatewayConfig, model_path: str, log_dir: Path, registry: PolicyRegistry, named: NamedAdapters
 ) -> SamplingBackend:
-    def adapters() -> list[Policy]:  # what a restarted vLLM loads: the live policies, never retracted ones
-        return [p for p in registry.loaded() if p.adapter_path]
+    def adapters() -> list[
+        Policy
+    ]:  # what a restarted vLLM loads: the live policies (never retracted ones), names
+        return [p for p in registry.loaded() if p.adapter_path] + named.policies()
 
     def held() -> list[
         Policy
     ]:  # what every replica holds: retracted policies stay until no request uses them
-        return [p for p in registry.held() if p.adapter_path]
+        return [p for p in registry.held() if p.adapter_path] + named.policies()
 
     n = cfg.vllm.replicas
     if n == 1:
@@ -106,14 +109,15 @@ def build_vllm_replicas(
 async def serve(args: argparse.Namespace) -> int:
     cfg = load_gateway_config(args.config, args.overrides)
     registry = PolicyRegistry(cfg.served_model_name, cfg.max_staleness)
+    named = NamedAdapters()
     log_dir = Path(args.log_dir)
     backend: SamplingBackend
     if cfg.sampler == "tinker":
         backend, vocab_size = build_tinker_sampler(cfg)
     else:
         model_path, vocab_size = resolve_model(cfg.model)
-        backend = build_vllm_replicas(cfg, model_path, log_dir, registry)
-    app = create_app(cfg, backend, registry, vocab_size)
+        backend = build_vllm_replicas(cfg, model_path, log_dir, registry, named)
+    app = create_app(cfg, backend, registry, vocab_size, named=named)
     sock = listening_socket(cfg, args.fd)
     port = sock.getsockname()[1]
     server = uvicorn.Server(

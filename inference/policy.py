@@ -64,6 +64,10 @@ class PolicyRegistry:
         return self._policies[self._current]
 
     @property
+    def base(self) -> Policy:
+        return self._policies[0]
+
+    @property
     def generation(self) -> int:
         return self.timeline.generation
 

@@ -9,7 +9,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("trainer", "inference", "environments")
 # The one import across a process boundary: the trainer's gateway client parses the gateway's wire types.
-ALLOWED_CROSSING = {("trainer.training.gateway_client", "inference.wire")}
+ALLOWED_CROSSING = {
+    ("trainer.training.gateway_client", "inference.wire"),
+    ("trainer.service.sampling", "inference.wire"),  # the service samples through the gateway
+}
 # service: the local Tinker-protocol service, a process of its own that trains with the trainer's code.
 TRAINER_ROLES = {"training", "backends", "orchestration", "service"}
 

@@ -9,7 +9,9 @@ the order of each training client's calls.
   the base model.
 - A refused call (bad datum, unknown loss, unknown model) is a result in the SDK's error format, `{"error",
   "category": "user"}`, which the SDK raises as RequestFailedError; it still takes its place in the client's order.
-- Sampling is not served yet: its routes answer 400 saying so (the SDK raises at once).
+- Sampling goes through the gateway (`service.gateway_url`, started beside the service by `bash launch.sh
+  service`): each sampler snapshot is a PEFT folder loaded into the gateway's vLLM under a name of its own
+  (trainer/service/sampling.py). Sample calls run concurrently on the event loop, never on the training thread.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import asyncio
 import itertools
 import json
 import logging
+import secrets
+import shutil
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 
 from trainer.backends.base import AdamParams
 from trainer.service.policies import LoraSpec, MultiLora
+from trainer.service.sampling import GatewaySampler, SampleCall, decode_sample, encode_sample
 from trainer.service.wire import (
     ForwardBackwardCall,
     UserError,
@@ -66,6 +72,17 @@ def safe_name(model_id: str) -> str:
     return model_id.replace(":", "_").replace("/", "_")
 
 
+@dataclass(frozen=True)
+class Sampler:
+    """A sampling session: the base model (folder None) or one saved adapter, and the training client it came from."""
+
+    sampler_id: str
+    model_id: str | None
+    model_path: str | None  # tinker://... (None for the base model)
+    folder: Path | None
+    adapter: str | None  # its name in the gateway
+
+
 class Service:
     def __init__(self, cfg: RunConfig, policies: MultiLora):
         self.cfg = cfg
@@ -78,6 +95,19 @@ class Service:
         self.request_ids = itertools.count()
         self.adapters = itertools.count()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train")
+        self.samplers: dict[str, Sampler] = {}
+        self.snapshots: dict[
+            str, deque[Sampler]
+        ] = {}  # per training client, its unnamed snapshots, oldest first
+        self.instance = secrets.token_hex(4)  # gateway adapter names stay unique across service restarts
+        self.adapter_names = itertools.count()
+        self.sampler = (
+            None
+            if cfg.service.gateway_url is None
+            else GatewaySampler(
+                cfg.service.gateway_url, cfg.service.gateway_token, cfg.service.max_loaded_samplers
+            )
+        )
 
     # --- futures ----------------------------------------------------------------------------------------------
 
@@ -111,6 +141,25 @@ class Service:
                     line.next_seq = max(line.next_seq, turn + 1)
                     line.cond.notify_all()
         future.set_result(result)
+
+    def submit_async(self, work: Callable[[], Awaitable[Result]]) -> str:
+        """Queue a coroutine (sampling: I/O bound, concurrent with training) and return its request id."""
+        request_id = f"req-{next(self.request_ids)}"
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self.futures[request_id] = future
+
+        async def run() -> None:
+            try:
+                result = await work()
+            except UserError as exc:
+                result = _error(str(exc))
+            except Exception as exc:
+                log.exception("a sampling call failed")
+                result = _error(f"{type(exc).__name__}: {exc}", "server")
+            future.set_result(result)
+
+        asyncio.get_running_loop().create_task(run())
+        return request_id
 
     @staticmethod
     def _guarded(work: Callable[[], Result]) -> Result:
@@ -266,19 +315,114 @@ class Service:
         self.record(model_id, {"call": "load_state", "path": path, "optimizer": optimizer})
         return Result({"path": path, "model_id": model_id})
 
-    def save_for_sampler(self, model_id: str, name: str | None) -> Result:
+    def save_for_sampler(self, model_id: str, name: str | None, session_seq: int | None) -> Result:
+        """A PEFT folder of the client's adapter: named (persistent, tinker://.../sampler_weights/NAME), or an unnamed
+        snapshot for save_weights_and_get_sampling_client, answered with its sampling session."""
         adapter = self.model_name(model_id)
         if not name:
-            raise UserError(
-                "save_weights_and_get_sampling_client: sampling is not served by this service yet; use "
-                "save_weights_for_sampler(name) for a PEFT adapter folder for vLLM"
-            )
+            if session_seq is None:
+                raise UserError("save_weights_for_sampler: send a path (name) or a sampling_session_seq_id")
+            self.sampling_enabled()
+            name = f"snapshot-{next(self.adapter_names)}"
         folder = self.state_folder(model_id, "sampler_weights", name)
         if folder.exists():
             raise UserError(f"sampler weights {name!r} exist already for {model_id}: pick another name")
         self.policies.save_for_sampler(adapter, folder)
+        path = f"{TINKER_SCHEME}{model_id}/sampler_weights/{name}"
         self.record(model_id, {"call": "save_weights_for_sampler", "path": str(folder)})
-        return Result({"path": f"{TINKER_SCHEME}{model_id}/sampler_weights/{name}"})
+        if session_seq is None or name != folder.name or not name.startswith("snapshot-"):
+            return Result({"path": path})
+        sampler = self.new_sampler(model_id, path, folder, f"{model_id}:sample:{session_seq}")
+        self.snapshots.setdefault(model_id, deque()).append(sampler)
+        return Result({"path": path, "sampling_session_id": sampler.sampler_id})
+
+    def new_sampler(
+        self, model_id: str | None, path: str | None, folder: Path | None, sampler_id: str
+    ) -> Sampler:
+        adapter = None if folder is None else f"{self.instance}-{next(self.adapter_names)}"
+        sampler = Sampler(sampler_id, model_id, path, folder, adapter)
+        self.samplers[sampler_id] = sampler
+        return sampler
+
+    async def drop_old_snapshots(self, model_id: str) -> None:
+        """Keep the newest service.sampler_snapshots_kept unnamed snapshots of a client (8B rank-32 ones are
+        ~170 MB each, one per RL step); older ones are unloaded and deleted unless a request is sampling them."""
+        kept, line = self.cfg.service.sampler_snapshots_kept, self.snapshots.get(model_id)
+        while line is not None and len(line) > kept:
+            old = line[0]
+            assert self.sampler is not None and old.adapter is not None and old.folder is not None
+            if self.sampler.in_flight.get(old.adapter):
+                return  # next time
+            line.popleft()
+            self.samplers.pop(old.sampler_id, None)
+            await self.sampler.forget(old.adapter)
+            await asyncio.to_thread(shutil.rmtree, old.folder, True)
+
+    def sampling_enabled(self) -> GatewaySampler:
+        if self.sampler is None:
+            raise UserError(
+                "sampling needs the gateway: start the service with `bash launch.sh service`, which starts one, or "
+                "set service.gateway_url"
+            )
+        return self.sampler
+
+    def create_sampler(self, body: dict[str, Any]) -> str:
+        self.sampling_enabled()
+        session_id, seq = _field(body, "session_id", str), _field(body, "sampling_session_seq_id", int)
+        sampler_id = f"{session_id}:sample:{seq}"
+        if sampler_id in self.samplers:
+            return sampler_id  # a retried create
+        path, base = body.get("model_path"), body.get("base_model")
+        if path is None:
+            if base not in (self.cfg.model.path, self.policies.model_path):
+                raise UserError(f"this service samples {self.cfg.model.path!r}, not {base!r}")
+            self.new_sampler(None, None, None, sampler_id)
+            return sampler_id
+        model_id, folder = self.resolve_sampler_path(str(path))
+        self.new_sampler(model_id, str(path), folder, sampler_id)
+        return sampler_id
+
+    def resolve_sampler_path(self, path: str) -> tuple[str, Path]:
+        parts = path.removeprefix(TINKER_SCHEME).split("/")
+        if not path.startswith(TINKER_SCHEME) or len(parts) != 3 or parts[1] != "sampler_weights":
+            raise UserError(
+                f"model_path {path!r}: expected tinker://MODEL_ID/sampler_weights/NAME as save_weights_for_sampler "
+                "returned it"
+            )
+        folder = self.state_folder(parts[0], "sampler_weights", parts[2])
+        if not (folder / "adapter_config.json").exists():
+            raise UserError(
+                f"no sampler weights at {path} ({folder} has none; unnamed snapshots are deleted "
+                f"once {self.cfg.service.sampler_snapshots_kept} newer ones exist)"
+            )
+        return parts[0], folder
+
+    async def sample(self, body: dict[str, Any]) -> Result:
+        sampler_id = _field(body, "sampling_session_id", str)
+        spec = self.samplers.get(sampler_id)
+        if spec is None:
+            raise UserError(
+                f"no sampling session {sampler_id!r} here (a snapshot older than the newest "
+                f"{self.cfg.service.sampler_snapshots_kept} of its training client, or the service restarted)"
+            )
+        gateway = self.sampling_enabled()
+        call: SampleCall = decode_sample(body, self.policies.vocab_size, await gateway.read_context())
+        started = time.perf_counter()
+        adapter = None if spec.adapter is None else (spec.adapter, str(spec.folder))
+        samples = await gateway.sample(adapter, call.body)
+        answer = encode_sample(call, samples)
+        self.record(
+            spec.model_id or "base",
+            {
+                "call": "sample",
+                "sampler": sampler_id,
+                "num_samples": call.num_samples,
+                "prompt_tokens": len(call.prompt),
+                "sampled_tokens": sum(len(s.token_ids) for s in samples),
+                "seconds": time.perf_counter() - started,
+            },
+        )
+        return Result(answer, proto=True)
 
     def record(self, model_id: str, row: dict[str, Any]) -> None:
         """One metrics.jsonl row per call, in the client's own folder."""
@@ -433,15 +577,38 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
     async def save_weights_for_sampler(request: Request) -> dict[str, str]:
         body = await _json(request)
         model_id, seq_id, name = _field(body, "model_id", str), _field(body, "seq_id", int), body.get("path")
-        return {
-            "request_id": service.submit(lambda: service.save_for_sampler(model_id, name), model_id, seq_id)
-        }
+        session_seq = body.get("sampling_session_seq_id")
+        request_id = service.submit(
+            lambda: service.save_for_sampler(model_id, name, session_seq), model_id, seq_id
+        )
+        if not name:
+            saved = service.futures[request_id]
+
+            async def tidy() -> None:
+                await asyncio.shield(saved)
+                await service.drop_old_snapshots(model_id)
+
+            asyncio.get_running_loop().create_task(tidy())
+        return {"request_id": request_id}
 
     @app.post(f"{api}/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict[str, str]:
+        return {"sampling_session_id": service.create_sampler(await _json(request))}
+
+    @app.get(f"{api}/samplers/{{sampler_id}}")
+    async def get_sampler(sampler_id: str) -> dict[str, Any]:
+        spec = service.samplers.get(sampler_id)
+        if spec is None:
+            raise UserError(f"no sampling session {sampler_id!r} here")
+        return {"sampler_id": sampler_id, "base_model": cfg.model.path, "model_path": spec.model_path}
+
     @app.post(f"{api}/asample")
-    async def sampling() -> None:
-        raise UserError(
-            "sampling is not served by this service yet (training only); sample with vLLM or the gateway"
-        )
+    async def asample(request: Request) -> dict[str, Any]:
+        body = await _json(request)
+        sampler_id = _field(body, "sampling_session_id", str)
+        n = body.get("num_samples", 1)
+        count = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 1024 else 1
+        ids = [f"{sampler_id}:{body.get('seq_id')}:{i}" for i in range(count)]
+        return {"request_id": service.submit_async(lambda: service.sample(body)), "sample_sequence_ids": ids}
 
     return app

@@ -329,6 +329,26 @@ class ServiceConfig(_Section):
         lt=45,
         description="how long a retrieve_future poll waits for its result (SDK timeout: 45 s)",
     )
+    sampling: bool = Field(
+        True,
+        description="launch.sh service starts a gateway with vLLM beside the service to sample (false: no vLLM)",
+    )
+    gateway_url: str | None = Field(
+        None,
+        description="the gateway that samples (launch.sh service starts one and sets this); None: training only",
+    )
+    gateway_token: str | None = Field(
+        None, description="the gateway's inference.publish_token, when it has one"
+    )
+    max_loaded_samplers: int = Field(
+        8, ge=1, description="sampler adapters kept loaded in vLLM; older ones are loaded again when sampled"
+    )
+    sampler_snapshots_kept: int = Field(
+        8,
+        ge=1,
+        description="unnamed snapshots (save_weights_and_get_sampling_client) kept per training client; older "
+        "ones are deleted",
+    )
 
 
 class RunConfig(_Section):

@@ -1,0 +1,158 @@
+"""`bash launch.sh service [--config FILE] [key=value ...]`: the Tinker-protocol service and, beside it, the gateway
+with its vLLM that samples for it, supervised together.
+
+The launcher binds the gateway's socket itself and hands it over (`--fd`), so a gateway that dies comes back on the
+same address (its vLLM's restarts are the gateway's own business); the service loads its sampler adapters into the
+new one on first use. `service.sampling=false` (or a `service.gateway_url` of a gateway running elsewhere) starts
+no gateway. Ctrl-C or SIGTERM stops both; the service exiting ends the launch with its exit code. Must not import
+the service or the gateway: they are processes of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+import yaml
+
+from trainer.orchestration.gateway_process import gateway_healthy
+from trainer.orchestration.launcher import gateway_section
+from trainer.orchestration.preflight import check_model
+from trainer.orchestration.processes import stop_child
+from trainer.training.config import ConfigError, RunConfig, load_config
+from trainer.training.polling import wait_until
+
+GATEWAY_START_S = 900.0  # a GPU vLLM loading 8B weights and compiling graphs takes minutes
+
+
+class Stop(Exception):
+    """SIGTERM or SIGINT reached the launcher."""
+
+
+def bind_gateway_socket(host: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def start_gateway(gateway_yaml: Path, sock: socket.socket, log_dir: Path) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "inference", "--config", str(gateway_yaml), "--log-dir", str(log_dir)]
+    argv += ["--fd", str(sock.fileno())]
+    with (log_dir / "gateway.log").open("ab") as logf:
+        return subprocess.Popen(
+            argv, stdout=logf, stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),), start_new_session=True
+        )
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_dir: Path) -> None:
+    try:
+        wait_until(lambda: gateway_healthy(url, proc), GATEWAY_START_S, f"gateway at {url} healthy", 0.5)
+    except (RuntimeError, TimeoutError) as exc:
+        raise RuntimeError(f"{exc}; read {log_dir}/gateway.log and {log_dir}/vllm.log") from exc
+
+
+def supervise(
+    service: subprocess.Popen[bytes],
+    gateway: subprocess.Popen[bytes] | None,
+    restart_gateway: object,
+    max_restarts_per_hour: int,
+) -> int:
+    """Wait for the service to end, restarting the gateway when it dies (within the hourly budget)."""
+    restarts: list[float] = []
+    while True:
+        code = service.poll()
+        if code is not None:
+            return code
+        if gateway is not None and gateway.poll() is not None:
+            now = time.monotonic()
+            restarts = [t for t in restarts if now - t < 3600] + [now]
+            if len(restarts) > max_restarts_per_hour:
+                print(
+                    f"launch.sh: the gateway died {len(restarts)} times within an hour; stopping", flush=True
+                )
+                return 1
+            print(f"launch.sh: gateway died (exit code {gateway.returncode}); restarting it", flush=True)
+            assert callable(restart_gateway)
+            gateway = restart_gateway()
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bash launch.sh service", description=__doc__)
+    parser.add_argument("--config", help="run config YAML (model:, lora:, inference:, service:)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. service.port=8100")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(RunConfig, args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"launch.sh service: {exc}", file=sys.stderr)
+        return 2
+    service_argv = [sys.executable, "-m", "trainer.service"] + (
+        ["--config", args.config] if args.config else []
+    )
+    service_argv += args.overrides
+    log_dir = Path(cfg.service.output_dir) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    def on_signal(signum: int, _: FrameType | None) -> None:
+        raise Stop(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    gateway: subprocess.Popen[bytes] | None = None
+    service: subprocess.Popen[bytes] | None = None
+    try:
+        if cfg.service.sampling and cfg.service.gateway_url is None:
+            model_path = check_model(cfg.model.path)
+            sock = bind_gateway_socket("127.0.0.1")
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            address: dict[str, object] = {"port": sock.getsockname()[1]}
+            if (
+                "max_staleness" not in cfg.inference
+            ):  # vLLM's --max-loras is max_staleness + 2: 4 clients at once
+                address["max_staleness"] = 2
+            section = gateway_section(cfg, model_path, address)
+            gateway_yaml = log_dir / "gateway.yaml"
+            gateway_yaml.write_text(yaml.safe_dump(section, sort_keys=False))
+            print(f"launch.sh: starting the gateway and vLLM at {url} (logs in {log_dir})", flush=True)
+            gateway = start_gateway(gateway_yaml, sock, log_dir)
+            wait_healthy(url, gateway, log_dir)
+            service_argv.append(f"service.gateway_url={url}")
+
+            def restart() -> subprocess.Popen[bytes]:
+                return start_gateway(gateway_yaml, sock, log_dir)
+
+        else:
+
+            def restart() -> subprocess.Popen[bytes]:
+                raise AssertionError("no gateway to restart")
+
+        service = subprocess.Popen(service_argv, env={**os.environ})
+        return supervise(service, gateway, restart, cfg.launch.max_restarts_per_hour)
+    except Stop:
+        return 143
+    except (ConfigError, RuntimeError) as exc:
+        print(f"launch.sh service: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for proc in (service, gateway):
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    stop_child(proc, 60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

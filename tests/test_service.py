@@ -1,5 +1,6 @@
-"""The local Tinker-protocol service driven by the unmodified tinker SDK, on the tiny model (training only: sampling is
-not served yet). One real service process for the module."""
+"""The local Tinker-protocol service driven by the unmodified tinker SDK, on the tiny model: its training half, with
+`python -m trainer.service` alone (no gateway, so sampling is refused). One real service process for the module;
+tests/test_service_sampling.py covers sampling through `bash launch.sh service`."""
 
 from __future__ import annotations
 
@@ -213,7 +214,7 @@ def test_refusals_reach_the_sdk_as_errors_and_the_client_goes_on(service):
             ],
             "cross_entropy",
         ).result()
-    with pytest.raises(tinker.RequestFailedError, match="sampling is not served"):
+    with pytest.raises(tinker.RequestFailedError, match="sampling needs the gateway"):
         tc.save_weights_and_get_sampling_client().result()
     assert tc.forward_backward(BATCH, "importance_sampling").result().metrics["loss:sum"] != 0.0
     with pytest.raises(tinker.RequestFailedError, match="trains 'tiny'"):

@@ -26,7 +26,7 @@ import yaml
 from trainer.orchestration.gateway_process import gateway_healthy
 from trainer.orchestration.launcher import gateway_section
 from trainer.orchestration.preflight import check_model
-from trainer.orchestration.processes import stop_child
+from trainer.orchestration.processes import die_with_parent, listen, stop_child
 from trainer.training.config import ConfigError, RunConfig, load_config
 from trainer.training.polling import wait_until
 
@@ -37,21 +37,17 @@ class Stop(Exception):
     """SIGTERM or SIGINT reached the launcher."""
 
 
-def bind_gateway_socket(host: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
 def start_gateway(gateway_yaml: Path, sock: socket.socket, log_dir: Path) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "inference", "--config", str(gateway_yaml), "--log-dir", str(log_dir)]
     argv += ["--fd", str(sock.fileno())]
     with (log_dir / "gateway.log").open("ab") as logf:
         return subprocess.Popen(
-            argv, stdout=logf, stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),), start_new_session=True
+            argv,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            pass_fds=(sock.fileno(),),
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
 
 
@@ -115,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cfg.service.sampling and cfg.service.gateway_url is None:
             model_path = check_model(cfg.model.path)
-            sock = bind_gateway_socket("127.0.0.1")
+            sock = listen("127.0.0.1")
             url = f"http://127.0.0.1:{sock.getsockname()[1]}"
             address: dict[str, object] = {"port": sock.getsockname()[1]}
             if (
@@ -138,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             def restart() -> subprocess.Popen[bytes]:
                 raise AssertionError("no gateway to restart")
 
-        service = subprocess.Popen(service_argv, env={**os.environ})
+        service = subprocess.Popen(service_argv, env={**os.environ}, preexec_fn=die_with_parent)
         return supervise(service, gateway, restart, cfg.launch.max_restarts_per_hour)
     except Stop:
         return 143

@@ -141,17 +141,14 @@ def named_routes(gw: Gateway) -> APIRouter:
         """/generate's vLLM dialect plus "adapter" (a name; null: the base model) and "prompt_logprobs"."""
         body = await json_object(request)
         adapter = body.pop("adapter", None)
-        if adapter is None:
-            policy = gw.registry.base
-        else:
-            policy = named.get(check_name(adapter))  # type: ignore[assignment]
-            if policy is None:
-                raise BackendError(
-                    404,
-                    f"no adapter named {adapter!r} is loaded (the gateway may have restarted): load it with "
-                    "POST /adapters/load, then send the request again",
-                    reason="adapter_not_loaded",
-                )
+        policy = gw.registry.base if adapter is None else named.get(check_name(adapter))
+        if policy is None:
+            raise BackendError(
+                404,
+                f"no adapter named {adapter!r} is loaded (the gateway may have restarted): load it with "
+                "POST /adapters/load, then send the request again",
+                reason="adapter_not_loaded",
+            )
         _, req, _ = parse_generate(body)
         gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
         if not backend.ready and backend.state in ("failed", "stopped"):

@@ -632,3 +632,32 @@ async def test_a_prompt_logprob_request_runs_alone():
     later = asyncio.create_task(request("b", False, 0.01))
     await asyncio.gather(first, solo, later)
     assert events == ["a+", "a-", "p+", "p-", "b+", "b-"]
+
+
+async def test_named_adapters_load_sample_and_unload_beside_the_policies(tmp_path):
+    backend = ScriptedBackend()
+    client, reg = client_for(backend, publish_token="t" * 32)
+    auth = {"Authorization": "Bearer " + "t" * 32}
+    one, two = make_adapter(tmp_path, "one"), make_adapter(tmp_path, "two")
+    body = {"prompt": {"prompt_token_ids": [1, 2]}, "n": 2, "max_tokens": 3}
+    async with client:
+        r = await client.post("/adapters/load", json={"name": "a", "adapter_path": one})
+        assert r.status_code == 401
+        r = await client.post("/adapters/load", json={"name": "a", "adapter_path": one}, headers=auth)
+        assert r.status_code == 200 and r.json()["lora_name"] == "named-a" and backend.loaded == ["named-a"]
+        again = await client.post("/adapters/load", json={"name": "a", "adapter_path": one}, headers=auth)
+        assert again.json()["noop"] is True
+        clash = await client.post("/adapters/load", json={"name": "a", "adapter_path": two}, headers=auth)
+        assert clash.status_code == 409 and "unload it first" in clash.json()["error"]["message"]
+        bad = await client.post("/adapters/load", json={"name": "../x", "adapter_path": two}, headers=auth)
+        assert bad.status_code == 400 and "adapter name" in bad.json()["error"]["message"]
+        r = await client.post("/adapters/generate", json={**body, "adapter": "a"})
+        assert r.status_code == 200 and [s["token_ids"] for s in r.json()["samples"]] == [[-1, 0], [-1, 1]]
+        base = await client.post("/adapters/generate", json={**body, "adapter": None})
+        assert [s["token_ids"][0] for s in base.json()["samples"]] == [0, 0]
+        missing = await client.post("/adapters/generate", json={**body, "adapter": "b"})
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "adapter_not_loaded"
+        r = await client.post("/adapters/unload", json={"name": "a"}, headers=auth)
+        assert r.json() == {"name": "a", "unloaded": True} and backend.unloaded == ["named-a"]
+        assert (await client.get("/adapters")).json() == {"adapters": {}}
+    assert reg.current.version == 0 and reg.in_flight() == {}  # the policies never saw any of it

@@ -131,7 +131,9 @@ def test_sampled_and_prompt_logprobs_are_the_trainers_own(launched):
 
 def test_sampling_parameters_are_honoured(launched):
     url, _, _ = launched
-    sampler = client(url).create_sampling_client(base_model="tiny").result()  # a random model: diverse greedy tokens
+    sampler = (
+        client(url).create_sampling_client(base_model="tiny").result()
+    )  # a random model: diverse greedy tokens
     prompt = types.ModelInput.from_ints(PROMPT)
 
     def sample(n: int = 1, **params: Any) -> Any:

@@ -13,8 +13,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
@@ -27,7 +26,14 @@ from inference.config import GatewayConfig
 from inference.errors import BackendError, Reason, default_reason
 from inference.gate import Gate
 from inference.guard import BodyGuard
-from inference.intake import json_object, move_stop_ids, parse_generate, validation_message
+from inference.intake import (
+    json_object,
+    move_stop_ids,
+    parse_generate,
+    resolved_path,
+    until_disconnect,
+    validation_message,
+)
 from inference.lanes import SoloLane
 from inference.named import NamedAdapters, named_routes
 from inference.policy import Policy, PolicyRegistry, VersionLedger
@@ -50,7 +56,6 @@ from inference.wire import (
 
 log = logging.getLogger("inference.app")
 VERSION_HEADER = "X-Policy-Version"
-DISCONNECT_POLL_S = 0.25
 
 
 class SamplingBackend(Protocol):
@@ -326,35 +331,6 @@ def served_top_logprobs(answer: dict[str, Any]) -> list[dict[int, float]]:
         top = positions[0] or {}
         tops.append({int(str(k).removeprefix("token_id:")): float(v) for k, v in top.items()})
     return tops
-
-
-def resolved_path(path: str | None) -> str | None:
-    """The adapter folder as the registry compares it (absolute, links resolved); URIs as given."""
-    if path is None or "://" in path:
-        return path
-    try:
-        return str(Path(path).resolve())
-    except (OSError, ValueError) as exc:
-        raise BackendError(400, f"adapter_path {path[:200]!r} is not a usable path: {exc}") from exc
-
-
-async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work` unless the client disconnects first; then cancel it (closing its connection to vLLM, which
-    aborts the generation) so an abandoned request stops holding the sampler."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, BackendError):
-                    await task
-                raise BackendError(499, "client disconnected; its sampling request was aborted")
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 def create_app(

@@ -3,7 +3,11 @@ makes (integer stop entries become stop_token_ids). It never calls the sampler, 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -110,3 +114,35 @@ def move_stop_ids(params: dict[str, Any], prefix: str = "") -> list[int]:
     else:
         del params["stop"]
     return ids
+
+
+DISCONNECT_POLL_S = 0.25
+
+
+def resolved_path(path: str | None) -> str | None:
+    """The adapter folder as the registry compares it (absolute, links resolved); URIs as given."""
+    if path is None or "://" in path:
+        return path
+    try:
+        return str(Path(path).resolve())
+    except (OSError, ValueError) as exc:
+        raise BackendError(400, f"adapter_path {path[:200]!r} is not a usable path: {exc}") from exc
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work` unless the client disconnects first; then cancel it (closing its connection to vLLM, which
+    aborts the generation) so an abandoned request stops holding the sampler."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, BackendError):
+                    await task
+                raise BackendError(499, "client disconnected; its sampling request was aborted")
+    finally:
+        if not task.done():
+            task.cancel()

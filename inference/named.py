@@ -7,26 +7,25 @@ sample. They are loaded again after a vLLM restart like the live policies. Must 
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from inference.errors import BackendError
-from inference.intake import json_object, parse_generate, validation_message
-from inference.policy import Policy
+from inference.intake import json_object, parse_generate, resolved_path, until_disconnect, validation_message
+from inference.lanes import SoloLane
+from inference.policy import Policy, PolicyRegistry
 from inference.wire import (
     NamedAdapterLoad,
     NamedAdapterLoaded,
     NamedAdapterUnload,
     NamedSampleResponse,
 )
-
-if TYPE_CHECKING:
-    from inference.app import Gateway
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 NAMED_VERSION = -1  # a named adapter is no policy version: the ledger never records it
@@ -71,11 +70,22 @@ def check_name(name: object) -> str:
     return name
 
 
-def named_routes(gw: Gateway) -> APIRouter:
+class Host(Protocol):
+    """What the routes use of the gateway (inference.app.Gateway)."""
+
+    backend: Any
+    registry: PolicyRegistry
+    named: NamedAdapters
+    publish_lock: asyncio.Lock
+    lane: SoloLane
+
+    def authorized(self, request: Request) -> bool: ...
+    def validate_tokens(self, ids: list[int], max_tokens: int, field: str) -> None: ...
+
+
+def named_routes(gw: Host) -> APIRouter:
     """Load, unload, list and sample named adapters. Loading and unloading need the publish token (off loopback);
     sampling is open like /generate."""
-    from inference.app import resolved_path, until_disconnect
-
     router = APIRouter()
     backend, named = gw.backend, gw.named
 

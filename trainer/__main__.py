@@ -8,6 +8,7 @@ python -m trainer report RUN_DIR [RUN_DIR ...] --out DIR             # side-by-s
 python -m trainer bench [...]                                        # trainer throughput benchmark (JSON)
 python -m trainer bench-gateway [...]                                # gateway benchmark (JSON)
 python -m trainer soak --minutes 30 --fault-every 60                 # the toy loop under faults (JSON)
+python -m trainer bench-service [...]                                # Tinker-protocol service benchmark (JSON)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ TOOLS = {  # sub-command -> module whose main(argv) it runs
     "bench-gateway": "trainer.orchestration.gateway_bench",
     "soak": "trainer.orchestration.soak",
     "bench-onpolicy": "trainer.orchestration.onpolicy_bench",
+    "bench-service": "trainer.orchestration.service_bench",
 }
 
 

@@ -3,6 +3,9 @@ trainer's idle share (wall time of steps spent neither training nor publishing i
 verification cost, the stale fraction, reward at the start and end and when it first reached 0.8.
 
     python -m trainer.orchestration.summary runs/toy-20261121-213950 [more run folders...]
+
+A folder of the Tinker-protocol service (one per training client, rows with a "call") gets its own summary: calls
+by kind, tokens trained and sampled, seconds per call, and the loss of the first and last forward_backward.
 """
 
 from __future__ import annotations
@@ -90,6 +93,29 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def summarize_service_client(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One service training client's (or the base sampler's) rows: what it did and how long each call took."""
+    calls: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        calls.setdefault(str(r.get("call")), []).append(r)
+    fb = calls.get("forward_backward", [])
+    samples = calls.get("sample", [])
+    secs = {
+        k: statistics.median(r["seconds"] for r in v) for k, v in calls.items() if v and "seconds" in v[0]
+    }
+    return {
+        "model_id": rows[0].get("model_id") if rows else None,
+        "calls": {k: len(v) for k, v in calls.items()},
+        "optim_steps": len(calls.get("optim_step", [])),
+        "tokens_trained": sum(r.get("tokens") or 0 for r in fb),
+        "tokens_sampled": sum(r.get("sampled_tokens") or 0 for r in samples),
+        "seconds_median_by_call": secs,
+        "loss_first": fb[0]["loss"] if fb else None,
+        "loss_last": fb[-1]["loss"] if fb else None,
+        "wall_s": rows[-1]["unix_time"] - rows[0]["unix_time"] if len(rows) > 1 else 0.0,
+    }
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
@@ -97,7 +123,8 @@ def main(argv: list[str]) -> int:
     out = {}
     for run_dir in argv:
         path = Path(run_dir) / "metrics.jsonl"
-        out[run_dir] = summarize([json.loads(line) for line in path.read_text().splitlines() if line])
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+        out[run_dir] = summarize_service_client(rows) if rows and "call" in rows[0] else summarize(rows)
     print(json.dumps(out, indent=2))
     return 0
 

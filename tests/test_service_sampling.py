@@ -27,6 +27,7 @@ types = tinker.types
 pytestmark = pytest.mark.slow
 KEPT = 3  # service.sampler_snapshots_kept for this module
 PROMPT = [5, 17, 23, 42, 99, 7]
+SESSION_TIMEOUT_S = 25  # the SDK heartbeats every 10 s
 
 
 def children(pid: int) -> list[int]:
@@ -56,6 +57,8 @@ def launched(tmp_path_factory) -> Iterator[tuple[str, Path, subprocess.Popen[str
             f"service.output_dir={out}",
             f"service.sampler_snapshots_kept={KEPT}",
             "service.max_loaded_samplers=4",
+            "service.max_clients=64",
+            f"service.session_timeout_s={SESSION_TIMEOUT_S}",
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -64,16 +67,20 @@ def launched(tmp_path_factory) -> Iterator[tuple[str, Path, subprocess.Popen[str
     )
     try:
         assert proc.stdout is not None
-        line = ""
+        line, said = "", []
         while not line.startswith("listening on "):
             line = proc.stdout.readline()
             assert line, f"launch ended: {(out / 'launch.log').read_text()[-3000:]}"
+            said.append(line)
+        gateway_url = next(w for w in " ".join(said).split() if w.startswith("http://"))
         url = line.split()[-1]
         wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 120, "the service healthy", 0.2)
         yield url, out, proc
+        gateway = gateway_pid(proc.pid)
+        left = [gateway, *httpx.get(f"{gateway_url}/policy").json()["backend_pids"]]
     finally:
         stop_child(proc, 60)
-        assert gateway_pid(proc.pid) is None
+    wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in left), 30, "gateway and vLLM gone", 0.2)
 
 
 def client(url: str) -> Any:
@@ -179,6 +186,9 @@ def test_base_and_named_samplers(launched):
     assert max(abs(a - b) for a, b in zip(served, trainer_logprobs(tc, PROMPT))) < 1e-4
     base_lp = base.compute_logprobs(prompt).result()[1:]
     assert max(abs(a - b) for a, b in zip(served, base_lp)) > 1e-3  # the adapter is applied, not the base
+    too_big = trained(url, rank=16).save_weights_and_get_sampling_client().result()  # served rank: 8
+    with pytest.raises(tinker.RequestFailedError, match=r"cannot load these weights.*max_lora_rank"):
+        too_big.sample(prompt, 1, params).result()
     with pytest.raises(tinker.BadRequestError, match="no sampler weights"):  # refused at creation
         sc.create_sampling_client(model_path=path.replace("named-one", "missing")).result()
     rows = [line for line in (out / "base" / "metrics.jsonl").read_text().splitlines() if '"sample"' in line]
@@ -292,3 +302,35 @@ def test_a_killed_gateway_is_restarted_and_samplers_load_again(launched):
     after = sampler.sample(prompt, 2, params).result().sequences  # waits for the restarted gateway
     assert [(s.tokens, s.logprobs) for s in after] == [(s.tokens, s.logprobs) for s in before]
     assert gateway_pid(proc.pid) not in (None, victim)
+
+
+def test_a_session_that_stops_heartbeating_is_released_and_live_ones_stay(launched):
+    url, _, _ = launched
+    live = trained(url)  # its SDK heartbeats
+    api = f"{url}/api/v1"
+    session = httpx.post(f"{api}/create_session", json={}).json()[
+        "session_id"
+    ]  # a script killed after its start
+    created = httpx.post(
+        f"{api}/create_model",
+        json={"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}},
+    ).json()
+    assert "model_id" in httpx.post(f"{api}/retrieve_future", json=created, timeout=60).json()
+    sampler = live.save_weights_and_get_sampling_client().result()
+
+    def clients() -> int:
+        return int(httpx.get(f"{url}/health").json()["clients"])
+
+    held = clients()
+    wait_until(lambda: clients() == held - 1, SESSION_TIMEOUT_S + 40, "the silent session released", 1.0)
+    assert httpx.post(f"{api}/session_heartbeat", json={"session_id": session}).status_code == 410
+    assert sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2)).result()
+    assert live.forward_backward(
+        [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(PROMPT[:-1]),
+                loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0] * 5},
+            )
+        ],
+        "cross_entropy",
+    ).result()

@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=8, help="sample calls per client")
     p.add_argument("--samples", type=int, default=8, help="num_samples per call")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens per sample (stop=[]: exactly this)")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per client count (medians reported)")
     p.add_argument("overrides", nargs="*", help="dotted overrides for the service's run config")
     return p.parse_args(argv)
 
@@ -89,7 +90,8 @@ def measure(tinker: Any, url: str, args: argparse.Namespace, n: int) -> dict[str
 
     samplers = [c.save_weights_and_get_sampling_client().result() for c in clients]
     params = types.SamplingParams(max_tokens=args.max_tokens, stop=[])
-    samplers[0].sample(types.ModelInput.from_ints([5, 6, 7]), 1, params).result()  # first use loads adapters
+    for s in samplers:  # the first sample of each loads its adapter into vLLM: not what is measured
+        s.sample(types.ModelInput.from_ints([5, 6, 7]), 1, params).result()
 
     def sample(i: int) -> int:
         futures = [
@@ -98,22 +100,24 @@ def measure(tinker: Any, url: str, args: argparse.Namespace, n: int) -> dict[str
         ]
         return sum(len(s.tokens) for f in futures for s in f.result().sequences)
 
+    train_s, sample_s, sampled = [], [], 0
     with ThreadPoolExecutor(n) as pool:
-        t0 = time.perf_counter()
-        list(pool.map(train, range(n)))
-        train_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        sampled = sum(pool.map(sample, range(n)))
-        sample_s = time.perf_counter() - t0
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            list(pool.map(train, range(n)))
+            train_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            sampled = sum(pool.map(sample, range(n)))
+            sample_s.append(time.perf_counter() - t0)
     trained = n * args.rounds * args.datums * args.tokens
     return {
         "clients": n,
         "training_tokens": trained,
-        "training_s": round(train_s, 3),
-        "training_tokens_per_s": round(trained / train_s, 1),
+        "training_s_median": round(statistics.median(train_s), 3),
+        "training_tokens_per_s": round(trained / statistics.median(train_s), 1),
         "sampled_tokens": sampled,
-        "sampling_s": round(sample_s, 3),
-        "sampled_tokens_per_s": round(sampled / sample_s, 1),
+        "sampling_s_median": round(statistics.median(sample_s), 3),
+        "sampled_tokens_per_s": round(sampled / statistics.median(sample_s), 1),
     }
 
 
@@ -174,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
                 "config": args.config,
                 "per_client_count": results,
+                "repeats": args.repeats,
                 "overhead": cost,
                 "output_dir": str(out),
             },

@@ -95,6 +95,8 @@ class Service:
         self.request_ids = itertools.count()
         self.adapters = itertools.count()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train")
+        self.beats: dict[str, float] = {}  # session id -> its last heartbeat (monotonic)
+        self.reaper: asyncio.Task[None] | None = None
         self.samplers: dict[str, Sampler] = {}
         self.snapshots: dict[
             str, deque[Sampler]
@@ -186,6 +188,50 @@ class Service:
         return JSONResponse(result.body)
 
     # --- training clients -------------------------------------------------------------------------------------
+
+    def start_reaper(self) -> None:
+        if self.reaper is None:
+            self.reaper = asyncio.get_running_loop().create_task(self.reap())
+
+    async def reap(self) -> None:
+        """End sessions whose SDK stopped heartbeating (every 10 s) for service.session_timeout_s: a script that
+        crashed or was killed must not hold its adapters, Adam state and snapshots until the service restarts."""
+        timeout = self.cfg.service.session_timeout_s
+        while True:
+            await asyncio.sleep(min(10.0, timeout / 4))
+            now = time.monotonic()
+            for session_id, beat in list(self.beats.items()):
+                if now - beat > timeout:
+                    log.warning(
+                        "session %s sent no heartbeat for %.0fs: releasing its clients",
+                        session_id,
+                        now - beat,
+                    )
+                    self.end_session(session_id)
+
+    def end_session(self, session_id: str) -> None:
+        """Release a session's training clients (after the calls already queued) and its sampling sessions."""
+        self.beats.pop(session_id, None)
+        request_id = self.submit(lambda: self.release_session(session_id))
+        released = self.futures.pop(request_id)  # nobody polls for it
+
+        async def samplers() -> None:
+            await released
+            await self.release_samplers(f"{session_id}:")
+
+        asyncio.get_running_loop().create_task(samplers())
+
+    async def release_samplers(self, prefix: str) -> None:
+        """Forget the session's sampling sessions; its unnamed snapshots are unloaded and deleted (named sampler
+        weights stay on disk)."""
+        for sampler_id in [s for s in self.samplers if s.startswith(prefix)]:
+            self.samplers.pop(sampler_id)
+        for model_id in [m for m in self.snapshots if m.startswith(prefix)]:
+            for old in self.snapshots.pop(model_id):
+                if self.sampler is not None and old.adapter is not None:
+                    await self.sampler.forget(old.adapter)
+                if old.folder is not None:
+                    await asyncio.to_thread(shutil.rmtree, old.folder, True)
 
     def release_session(self, session_id: str) -> Result:
         """The SDK's close(): the session's training clients are gone (their saved states stay on disk)."""
@@ -480,11 +526,20 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
 
     @app.post(f"{api}/create_session")
     async def create_session() -> dict[str, str]:
-        return {"session_id": f"sess-{next(service.sessions)}"}
+        session_id = f"sess-{next(service.sessions)}"
+        service.beats[session_id] = time.monotonic()
+        service.start_reaper()
+        return {"session_id": session_id}
 
     @app.post(f"{api}/session_heartbeat")
-    async def heartbeat() -> dict[str, Any]:
-        return {}
+    async def heartbeat(request: Request) -> JSONResponse:
+        session_id = _field(await _json(request), "session_id", str)
+        if (
+            session_id not in service.beats
+        ):  # expired, closed, or from before a restart: the SDK stops beating
+            return JSONResponse({"detail": f"session {session_id} has finished"}, status_code=410)
+        service.beats[session_id] = time.monotonic()
+        return JSONResponse({})
 
     @app.post(f"{api}/telemetry")
     async def telemetry() -> dict[str, str]:
@@ -492,7 +547,7 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
 
     @app.post(f"{api}/sessions/{{session_id}}/finish")
     async def finish(session_id: str) -> dict[str, Any]:
-        service.submit(lambda: service.release_session(session_id))  # after the calls already queued
+        service.end_session(session_id)
         return {}
 
     @app.post(f"{api}/retrieve_future")

@@ -204,8 +204,12 @@ def encode_sample(call: SampleCall, samples: list[Sample]) -> bytes:
     return bytes(out.SerializeToString())
 
 
-class SamplerGone(UserError):
-    """A snapshot whose folder was removed (older than the snapshots kept per training client)."""
+def _message(r: httpx.Response) -> str:
+    """The gateway's error message (its OpenAI-shaped body), or the start of whatever it sent."""
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return r.text[:500]
 
 
 @dataclass
@@ -265,7 +269,10 @@ class GatewaySampler:
     async def _load(self, name: str, folder: str) -> None:
         r = await self._post("/adapters/load", {"name": name, "adapter_path": folder}, f"loading {name}")
         if r.status_code != 200:
-            raise RuntimeError(f"the gateway refused sampler adapter {name} ({folder}): {r.text[:500]}")
+            message = _message(r)
+            if r.status_code < 500:  # the adapter itself (a rank above inference.vllm.max_lora_rank, ...)
+                raise UserError(f"the sampler cannot load these weights ({folder}): {message}")
+            raise RuntimeError(f"the gateway failed to load sampler adapter {name} ({folder}): {message}")
         self.loaded[name] = folder
         self.loaded.move_to_end(name)
         log.info("sampler adapter %s loaded from %s", name, folder)
@@ -308,7 +315,7 @@ class GatewaySampler:
                     self.loaded.pop(adapter[0], None)  # the gateway restarted without it: load it again
                     continue
                 if r.status_code >= 400:
-                    message = (r.json().get("error") or {}).get("message", r.text[:500])
+                    message = _message(r)
                     if r.status_code < 500:
                         raise UserError(f"the sampler refused the request: {message}")
                     raise RuntimeError(f"the sampler failed ({r.status_code}): {message}")

@@ -329,6 +329,11 @@ class ServiceConfig(_Section):
         lt=45,
         description="how long a retrieve_future poll waits for its result (SDK timeout: 45 s)",
     )
+    session_timeout_s: float = Field(
+        300.0,
+        gt=10,
+        description="a session whose SDK sent no heartbeat (every 10 s) for this long is ended: its clients released",
+    )
     sampling: bool = Field(
         True,
         description="launch.sh service starts a gateway with vLLM beside the service to sample (false: no vLLM)",

@@ -4,6 +4,7 @@ tests/test_service_sampling.py covers sampling through `bash launch.sh service`.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -251,3 +252,65 @@ def test_sampler_weights_pass_the_gateways_adapter_check(service, tiny_model_pat
     validate_adapter(str(folder), base_linear_shapes(str(tiny_model_path)), max_rank=8, max_abs=1e3)
     with pytest.raises(tinker.RequestFailedError, match="exist already"):
         tc.save_weights_for_sampler("s1").result()
+
+
+def test_loss_and_gradients_match_a_float64_reference(service, tiny_model_path):
+    """The SDK's forward_backward(importance_sampling) on a generic adapter (A and B random, lm_head included): the
+    logprobs, the summed loss and the gradient (its norm, and its sign in every element through the first AdamW
+    step, which moves each weight by lr * g/(|g| + eps)) against float64 transformers + PEFT computed here."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from trainer.service.policies import ADAPTER_KEY, LoraSpec
+
+    url, out = service
+    sc = client(url)
+    start = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    path = start.save_state("generic").result().path
+    folder = folder_of(out, path)
+    gen = torch.Generator().manual_seed(0)
+    weights = {
+        k: torch.randn(v.shape, generator=gen) * 0.05
+        for k, v in load_file(folder / "adapter.safetensors").items()
+    }
+    save_file(weights, folder / "adapter.safetensors")
+    tc = sc.create_training_client_from_state(path).result()  # these weights, a fresh AdamW
+    answer = tc.forward_backward(BATCH, "importance_sampling").result()
+    lr = 1e-3
+    grad_norm = tc.optim_step(types.AdamParams(learning_rate=lr)).result().metrics["grad_norm"]
+    after = load_file(folder_of(out, tc.save_state("generic-after").result().path) / "adapter.safetensors")
+
+    spec = LoraSpec(**json.loads((folder / "state.json").read_text())["spec"])
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float64)
+    ref = get_peft_model(
+        ref,
+        LoraConfig(
+            r=spec.rank, lora_alpha=32, target_modules=spec.targets(), bias="none", task_type="CAUSAL_LM"
+        ),
+    )
+    named = dict(ref.named_parameters())
+    params = {k: named[k.replace(f".{ADAPTER_KEY}.", ".default.")] for k in weights}
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(weights[k].double())
+    loss = torch.zeros((), dtype=torch.float64)
+    for i, datum in enumerate(BATCH):
+        ids = torch.tensor([datum.model_input.to_ints()])
+        targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].tolist())
+        lp = ref(input_ids=ids).logits[0].log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+        served = torch.tensor(answer.loss_fn_outputs[i]["logprobs"].tolist(), dtype=torch.float64)
+        assert (lp.detach() - served).abs().max() < 1e-5
+        sampler = torch.tensor(datum.loss_fn_inputs["logprobs"].tolist(), dtype=torch.float64)
+        advantages = torch.tensor(datum.loss_fn_inputs["advantages"].tolist(), dtype=torch.float64)
+        loss = loss - (torch.exp(lp - sampler) * advantages).sum()
+    loss.backward()
+    assert abs(answer.metrics["loss:sum"] - loss.item()) < 1e-5 * max(1.0, abs(loss.item()))
+    grads = {k: p.grad for k, p in params.items()}
+    ref_norm = torch.sqrt(sum((g**2).sum() for g in grads.values())).item()
+    assert abs(grad_norm - ref_norm) < 1e-4 * ref_norm, (grad_norm, ref_norm)
+    for k, g in grads.items():
+        step = (after[k].double() - weights[k].double()) / lr
+        clear = g.abs() > 1e-6  # Adam's first step is -sign(g) wherever |g| >> eps
+        assert clear.any() and torch.equal(step[clear].sign(), -g[clear].sign()), k
+        assert (step[clear].abs() - 1).abs().max() < 1e-3, k

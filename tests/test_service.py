@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -314,3 +315,26 @@ def test_loss_and_gradients_match_a_float64_reference(service, tiny_model_path):
         clear = g.abs() > 1e-6  # Adam's first step is -sign(g) wherever |g| >> eps
         assert clear.any() and torch.equal(step[clear].sign(), -g[clear].sign()), k
         assert (step[clear].abs() - 1).abs().max() < 1e-3, k
+
+
+def test_three_clients_with_different_learning_rates_train_concurrently_as_each_would_alone(service):
+    """Three clients (same seed, so the same start) driven from three threads at once, interleaving their calls,
+    end bit-identical to a client trained alone with the same learning rate."""
+    url, out = service
+    lrs = (1e-3, 1e-2, 3e-2)
+
+    def train(lr: float) -> Any:
+        tc = client(url).create_lora_training_client(base_model="tiny", rank=8, seed=5).result()
+        for _ in range(3):
+            tc.forward_backward(BATCH, "importance_sampling")
+            tc.optim_step(types.AdamParams(learning_rate=lr))
+        return state_of(folder_of(out, tc.save_state(f"lr-{lr}").result().path))
+
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(train, lrs))
+    alone = [train(lr) for lr in lrs]
+    weights = [{k: v for k, v in s.items() if k.startswith("w/")} for s in together]
+    for i in range(3):
+        assert together[i].keys() == alone[i].keys()
+        assert all(torch.equal(together[i][k], alone[i][k]) for k in alone[i]), f"lr {lrs[i]}"
+    assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])

@@ -14,7 +14,9 @@ ALLOWED_CROSSING = {
     ("trainer.service.sampling", "inference.wire"),  # the service samples through the gateway
 }
 # service: the local Tinker-protocol service, a process of its own that trains with the trainer's code.
-TRAINER_ROLES = {"training", "backends", "orchestration", "service"}
+# summary: `python -m trainer.summary`, the command for reading a run's or a service client's records (it runs
+# trainer.orchestration.summary).
+TRAINER_ROLES = {"training", "backends", "orchestration", "service", "summary"}
 
 
 def module_name(path: Path) -> str:

@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,6 @@ import pytest
 from environments.toy import compute_target_ids, compute_toy_reward
 from tests.test_launch import ROOT
 from trainer.orchestration.processes import stop_child
-from trainer.orchestration.summary import summarize_service_client
 from trainer.service.app import safe_name
 from trainer.training.polling import wait_until
 
@@ -270,9 +270,10 @@ def test_a_cookbook_rl_loop_learns_the_toy_task(launched):
     assert rewards[0] < 0.3 and sum(rewards[-3:]) / 3 >= 0.8, rewards
     folder = out / safe_name(tc.model_id)
     assert len(list((folder / "sampler_weights").glob("snapshot-*"))) <= KEPT
-    record = summarize_service_client(
-        [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    printed = subprocess.run(
+        [sys.executable, "-m", "trainer.summary", str(folder)], capture_output=True, text=True, check=True
     )
+    record = json.loads(printed.stdout)[str(folder)]
     assert record["optim_steps"] == len(rewards) and record["calls"]["sample"] == 8 * len(rewards)
     assert record["tokens_sampled"] > 0 and record["tokens_trained"] > 0
 

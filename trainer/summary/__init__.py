@@ -1,0 +1,1 @@
+"""`python -m trainer.summary FOLDER ...`: the same as `python -m trainer summary` (trainer/orchestration/summary.py)."""

@@ -94,3 +94,19 @@ def test_the_sdk_reads_back_samples_and_prompt_logprobs():
     full = decode_sample(request(prompt_logprobs=True, topk_prompt_logprobs=1), 100, 64)
     back = deserialize_sample_response(encode_sample(full, samples))
     assert back.prompt_logprobs == [None, -1.5, -0.25] and back.topk_prompt_logprobs[1] == [(9, -0.5)]
+
+
+def test_launch_service_dry_run_prints_the_gateway_config_and_both_commands():
+    import subprocess
+    import sys
+
+    from tests.test_launch import ROOT
+
+    argv = [sys.executable, "-m", "trainer.orchestration.service_launch", "--config", "configs/tiny_cpu.yaml"]
+    done = subprocess.run([*argv, "--dry-run", "service.port=8199"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "max_staleness: 2" in done.stdout  # vLLM batches 4 adapters: --max-loras = max_staleness + 2
+    assert "-m inference --config" in done.stdout and "service.gateway_url=http://127.0.0.1:" in done.stdout
+    assert "http://127.0.0.1:8199" in done.stdout
+    bad = subprocess.run([*argv, "--dry-run", "service.prot=1"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "service.prot" in bad.stderr

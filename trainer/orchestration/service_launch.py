@@ -84,9 +84,31 @@ def supervise(
         time.sleep(0.5)
 
 
+def gateway_config(cfg: RunConfig, port: int) -> dict[str, object]:
+    """The gateway's section as a run's launcher completes it, with 4 adapters per vLLM batch unless configured."""
+    address: dict[str, object] = {"port": port}
+    if "max_staleness" not in cfg.inference:  # vLLM's --max-loras is max_staleness + 2
+        address["max_staleness"] = 2
+    return gateway_section(cfg, check_model(cfg.model.path), address)
+
+
+def dry_run(cfg: RunConfig, service_argv: list[str], log_dir: Path) -> int:
+    if cfg.service.sampling and cfg.service.gateway_url is None:
+        print(f"# gateway config ({log_dir / 'gateway.yaml'}; its port is chosen at start)")
+        print(yaml.safe_dump(gateway_config(cfg, 0), sort_keys=False))
+        print(f"# gateway: {sys.executable} -m inference --config {log_dir / 'gateway.yaml'}")
+        service_argv = [*service_argv, "service.gateway_url=http://127.0.0.1:<gateway port>"]
+    print("# service: " + " ".join(service_argv))
+    print(
+        f"# listens on http://{cfg.service.host}:{cfg.service.port}; records under {cfg.service.output_dir}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bash launch.sh service", description=__doc__)
     parser.add_argument("--config", help="run config YAML (model:, lora:, inference:, service:)")
+    parser.add_argument("--dry-run", action="store_true", help="print the gateway's config and both commands")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. service.port=8100")
     args = parser.parse_args(argv)
     try:
@@ -99,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     service_argv += args.overrides
     log_dir = Path(cfg.service.output_dir) / "logs"
+    if args.dry_run:
+        return dry_run(cfg, service_argv, log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
 
     def on_signal(signum: int, _: FrameType | None) -> None:
@@ -110,15 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     service: subprocess.Popen[bytes] | None = None
     try:
         if cfg.service.sampling and cfg.service.gateway_url is None:
-            model_path = check_model(cfg.model.path)
             sock = listen("127.0.0.1")
             url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-            address: dict[str, object] = {"port": sock.getsockname()[1]}
-            if (
-                "max_staleness" not in cfg.inference
-            ):  # vLLM's --max-loras is max_staleness + 2: 4 clients at once
-                address["max_staleness"] = 2
-            section = gateway_section(cfg, model_path, address)
+            section = gateway_config(cfg, sock.getsockname()[1])
             gateway_yaml = log_dir / "gateway.yaml"
             gateway_yaml.write_text(yaml.safe_dump(section, sort_keys=False))
             print(f"launch.sh: starting the gateway and vLLM at {url} (logs in {log_dir})", flush=True)

@@ -224,9 +224,10 @@ class Service:
     async def release_samplers(self, prefix: str) -> None:
         """Forget the session's sampling sessions; its unnamed snapshots are unloaded and deleted (named sampler
         weights stay on disk)."""
-        for sampler_id in [s for s in self.samplers if s.startswith(prefix)]:
+        # Copies first: the training thread registers samplers (save_weights_and_get_sampling_client) meanwhile.
+        for sampler_id in [s for s in list(self.samplers) if s.startswith(prefix)]:
             self.samplers.pop(sampler_id)
-        for model_id in [m for m in self.snapshots if m.startswith(prefix)]:
+        for model_id in [m for m in list(self.snapshots) if m.startswith(prefix)]:
             for old in self.snapshots.pop(model_id):
                 if self.sampler is not None and old.adapter is not None:
                     await self.sampler.forget(old.adapter)

@@ -76,9 +76,8 @@ def build_tinker_sampler(cfg: GatewayConfig) -> tuple[SamplingBackend, int]:
 def build_vllm_replicas(
     cfg: GatewayConfig, model_path: str, log_dir: Path, registry: PolicyRegistry, named: NamedAdapters
 ) -> SamplingBackend:
-    def adapters() -> list[
-        Policy
-    ]:  # what a restarted vLLM loads: the live policies (never retracted ones), names
+    # What a restarted vLLM loads: the live policies (never retracted ones) and the named adapters.
+    def adapters() -> list[Policy]:
         return [p for p in registry.loaded() if p.adapter_path] + named.policies()
 
     def held() -> list[

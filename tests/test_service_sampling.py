@@ -186,15 +186,19 @@ def test_base_and_named_samplers(launched):
     named = sc.create_sampling_client(model_path=path).result()
     params = types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])
     prompt = types.ModelInput.from_ints(PROMPT)
-    assert (
-        named.sample(prompt, 1, params).result().sequences[0].tokens
-        != []
-        != base.sample(prompt, 1, params).result().sequences[0].tokens
-    )
+    assert len(named.sample(prompt, 1, params).result().sequences[0].tokens) == 4  # stop=[]: all max_tokens
+    assert len(base.sample(prompt, 1, params).result().sequences[0].tokens) == 4
     served = named.compute_logprobs(prompt).result()[1:]
     assert max(abs(a - b) for a, b in zip(served, trainer_logprobs(tc, PROMPT))) < 1e-4
     base_lp = base.compute_logprobs(prompt).result()[1:]
     assert max(abs(a - b) for a, b in zip(served, base_lp)) > 1e-3  # the adapter is applied, not the base
+    again = sc.create_sampling_client(model_path=path).result()  # a second sampler of the same weights
+    assert again.compute_logprobs(prompt).result()[1:] == served
+    port = yaml.safe_load((out / "logs" / "gateway.yaml").read_text())["port"]
+    held = httpx.get(f"http://127.0.0.1:{port}/adapters").json()["adapters"]
+    assert sum(1 for p in held.values() if p.endswith("/named-one")) == 1  # one adapter in vLLM for both
+    with pytest.raises(tinker.RequestFailedError, match="the service's own"):
+        tc.save_weights_for_sampler("snapshot-1").result()
     too_big = trained(url, rank=16).save_weights_and_get_sampling_client().result()  # served rank: 8
     with pytest.raises(tinker.RequestFailedError, match=r"cannot load these weights.*max_lora_rank"):
         too_big.sample(prompt, 1, params).result()

@@ -13,7 +13,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from trainer.backends.local import LocalBackend
+from trainer.orchestration.commands import git_sha
 from trainer.training.batch import TrainingExample
 from trainer.training.config import RunConfig
 from trainer.training.losses import LossParams
@@ -112,19 +112,6 @@ def hardware() -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
     return info
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def time_steps(

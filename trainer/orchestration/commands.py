@@ -1,5 +1,6 @@
 """The command line of every component of a run, and the config file each one reads. Pure: no process is
-started here. The launcher knows all processes; each process reads only its own file:
+started here (git_sha only reads the checkout's revision, for benchmark results). The launcher knows all processes;
+each process reads only its own file:
 - the trainer RUN_DIR/config.yaml (the whole resolved RunConfig),
 - the gateway RUN_DIR/gateway.yaml (its own section, validated by its own model),
 - run-api nothing (it is configured by the trainer's /register),
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -179,3 +181,17 @@ def build_components(
             )
         )
     return components
+
+
+def git_sha() -> str:
+    """The checkout's short revision, for the JSON a benchmark prints ("unknown" outside git)."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from trainer.orchestration.commands import git_sha
 from trainer.orchestration.gateway_process import spawn_gateway
 from trainer.training.gateway_client import GatewayClient
 from trainer.training.polling import wait_until
@@ -265,10 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     m = measure(args, Path(tempfile.mkdtemp(prefix="gateway-bench-")))
     rows, restarts = m["rows"], m["restarts"]
     latency = [r["latency_s"] for r in rows]
-    git = ["git", "rev-parse", "--short", "HEAD"]
     result = {
         "command": " ".join([Path(sys.executable).name, "-m", "trainer", "bench-gateway", *sys.argv[1:]]),
-        "git_sha": subprocess.run(git, capture_output=True, text=True, cwd=ROOT).stdout.strip(),
+        "git_sha": git_sha(),
         "hardware": {"cpu": platform.machine(), "cores": os.cpu_count()},
         "publish": {
             "count": len(rows),

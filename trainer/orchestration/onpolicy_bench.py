@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.orchestration.commands import ROOT
+from trainer.orchestration.commands import ROOT, git_sha
 from trainer.orchestration.processes import stop_child
 from trainer.orchestration.summary import summarize
 
@@ -105,13 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         for gate in gates:
             print(f"bench-onpolicy: max_staleness={s} gate={gate}", file=sys.stderr, flush=True)
             results.append(run_one(args, out, s, gate))
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     print(
         json.dumps(
             {
                 "command": "python -m trainer bench-onpolicy "
                 + " ".join(argv if argv is not None else sys.argv[1:]),
-                "git": git.stdout.strip(),
+                "git": git_sha(),
                 "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
                 "runs": results,
             },

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from trainer.orchestration.commands import ROOT
+from trainer.orchestration.commands import ROOT, git_sha
 from trainer.orchestration.processes import stop_child
 
 
@@ -168,13 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         cost = overhead(tinker, url, args, out)
     finally:
         stop_child(proc, 60)
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     print(
         json.dumps(
             {
                 "command": "python -m trainer bench-service "
                 + " ".join(argv if argv is not None else sys.argv[1:]),
-                "git": git.stdout.strip(),
+                "git": git_sha(),
                 "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
                 "config": args.config,
                 "per_client_count": results,

@@ -18,6 +18,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -58,19 +60,25 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_dir: Path) -> None
         raise RuntimeError(f"{exc}; read {log_dir}/gateway.log and {log_dir}/vllm.log") from exc
 
 
+@dataclass
+class Started:
+    """The processes this launch started, as they are now (a restarted gateway replaces the dead one)."""
+
+    service: subprocess.Popen[bytes] | None = None
+    gateway: subprocess.Popen[bytes] | None = None
+
+
 def supervise(
-    service: subprocess.Popen[bytes],
-    gateway: subprocess.Popen[bytes] | None,
-    restart_gateway: object,
-    max_restarts_per_hour: int,
+    procs: Started, restart_gateway: Callable[[], subprocess.Popen[bytes]] | None, max_restarts_per_hour: int
 ) -> int:
     """Wait for the service to end, restarting the gateway when it dies (within the hourly budget)."""
+    assert procs.service is not None
     restarts: list[float] = []
     while True:
-        code = service.poll()
+        code = procs.service.poll()
         if code is not None:
             return code
-        if gateway is not None and gateway.poll() is not None:
+        if restart_gateway is not None and procs.gateway is not None and procs.gateway.poll() is not None:
             now = time.monotonic()
             restarts = [t for t in restarts if now - t < 3600] + [now]
             if len(restarts) > max_restarts_per_hour:
@@ -78,9 +86,10 @@ def supervise(
                     f"launch.sh: the gateway died {len(restarts)} times within an hour; stopping", flush=True
                 )
                 return 1
-            print(f"launch.sh: gateway died (exit code {gateway.returncode}); restarting it", flush=True)
-            assert callable(restart_gateway)
-            gateway = restart_gateway()
+            print(
+                f"launch.sh: gateway died (exit code {procs.gateway.returncode}); restarting it", flush=True
+            )
+            procs.gateway = restart_gateway()
         time.sleep(0.5)
 
 
@@ -130,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    gateway: subprocess.Popen[bytes] | None = None
-    service: subprocess.Popen[bytes] | None = None
+    procs = Started()
     try:
+        restart: Callable[[], subprocess.Popen[bytes]] | None = None
         if cfg.service.sampling and cfg.service.gateway_url is None:
             sock = listen("127.0.0.1")
             url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -140,20 +149,15 @@ def main(argv: list[str] | None = None) -> int:
             gateway_yaml = log_dir / "gateway.yaml"
             gateway_yaml.write_text(yaml.safe_dump(section, sort_keys=False))
             print(f"launch.sh: starting the gateway and vLLM at {url} (logs in {log_dir})", flush=True)
-            gateway = start_gateway(gateway_yaml, sock, log_dir)
-            wait_healthy(url, gateway, log_dir)
+            procs.gateway = start_gateway(gateway_yaml, sock, log_dir)
+            wait_healthy(url, procs.gateway, log_dir)
             service_argv.append(f"service.gateway_url={url}")
 
             def restart() -> subprocess.Popen[bytes]:
                 return start_gateway(gateway_yaml, sock, log_dir)
 
-        else:
-
-            def restart() -> subprocess.Popen[bytes]:
-                raise AssertionError("no gateway to restart")
-
-        service = subprocess.Popen(service_argv, env={**os.environ}, preexec_fn=die_with_parent)
-        return supervise(service, gateway, restart, cfg.launch.max_restarts_per_hour)
+        procs.service = subprocess.Popen(service_argv, env={**os.environ}, preexec_fn=die_with_parent)
+        return supervise(procs, restart, cfg.launch.max_restarts_per_hour)
     except Stop:
         return 143
     except (ConfigError, RuntimeError) as exc:
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for proc in (service, gateway):
+        for proc in (procs.service, procs.gateway):  # the service first: it may be sampling
             if proc is not None:
                 with contextlib.suppress(Exception):
                     stop_child(proc, 60)

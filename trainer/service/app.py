@@ -48,6 +48,7 @@ log = logging.getLogger("trainer.service")
 
 PROTOBUF = "application/x-protobuf"
 TINKER_SCHEME = "tinker://"
+SNAPSHOT_PREFIX = "snapshot-"  # unnamed sampler snapshots (save_weights_and_get_sampling_client)
 
 
 @dataclass
@@ -66,6 +67,14 @@ class Result:
 
 def _error(message: str, category: str = "user") -> Result:
     return Result({"error": message, "category": category})
+
+
+def _failure(exc: Exception, what: str) -> Result:
+    """A call that raised, in the SDK's error format (it raises RequestFailedError); the service goes on."""
+    if isinstance(exc, UserError):
+        return _error(str(exc))
+    log.exception(what)
+    return _error(f"{type(exc).__name__}: {exc}", "server")
 
 
 def safe_name(model_id: str) -> str:
@@ -98,11 +107,12 @@ class Service:
         self.beats: dict[str, float] = {}  # session id -> its last heartbeat (monotonic)
         self.reaper: asyncio.Task[None] | None = None
         self.samplers: dict[str, Sampler] = {}
-        self.snapshots: dict[
-            str, deque[Sampler]
-        ] = {}  # per training client, its unnamed snapshots, oldest first
+        # per training client, its unnamed snapshots, oldest first
+        self.snapshots: dict[str, deque[Sampler]] = {}
+        self.adapter_of: dict[Path, str] = {}  # sampler folder -> its name in the gateway (loaded once)
         self.instance = secrets.token_hex(4)  # gateway adapter names stay unique across service restarts
         self.adapter_names = itertools.count()
+        self.snapshot_names = itertools.count()
         self.sampler = (
             None
             if cfg.service.gateway_url is None
@@ -153,11 +163,8 @@ class Service:
         async def run() -> None:
             try:
                 result = await work()
-            except UserError as exc:
-                result = _error(str(exc))
             except Exception as exc:
-                log.exception("a sampling call failed")
-                result = _error(f"{type(exc).__name__}: {exc}", "server")
+                result = _failure(exc, "a sampling call failed")
             future.set_result(result)
 
         asyncio.get_running_loop().create_task(run())
@@ -167,11 +174,8 @@ class Service:
     def _guarded(work: Callable[[], Result]) -> Result:
         try:
             return work()
-        except UserError as exc:
-            return _error(str(exc))
-        except Exception as exc:  # the client sees it as RequestFailedError; the service goes on
-            log.exception("a training call failed")
-            return _error(f"{type(exc).__name__}: {exc}", "server")
+        except Exception as exc:
+            return _failure(exc, "a training call failed")
 
     async def retrieve(self, request_id: str) -> Response:
         future = self.futures.get(request_id)
@@ -229,10 +233,7 @@ class Service:
             self.samplers.pop(sampler_id)
         for model_id in [m for m in list(self.snapshots) if m.startswith(prefix)]:
             for old in self.snapshots.pop(model_id):
-                if self.sampler is not None and old.adapter is not None:
-                    await self.sampler.forget(old.adapter)
-                if old.folder is not None:
-                    await asyncio.to_thread(shutil.rmtree, old.folder, True)
+                await self.delete_snapshot(old)
 
     def release_session(self, session_id: str) -> Result:
         """The SDK's close(): the session's training clients are gone (their saved states stay on disk)."""
@@ -366,18 +367,24 @@ class Service:
         """A PEFT folder of the client's adapter: named (persistent, tinker://.../sampler_weights/NAME), or an unnamed
         snapshot for save_weights_and_get_sampling_client, answered with its sampling session."""
         adapter = self.model_name(model_id)
-        if not name:
+        snapshot = not name
+        if snapshot:
             if session_seq is None:
                 raise UserError("save_weights_for_sampler: send a path (name) or a sampling_session_seq_id")
             self.sampling_enabled()
-            name = f"snapshot-{next(self.adapter_names)}"
+            name = f"{SNAPSHOT_PREFIX}{next(self.snapshot_names)}"
+        elif str(name).startswith(SNAPSHOT_PREFIX):
+            raise UserError(
+                f"sampler weights name {name!r}: names starting {SNAPSHOT_PREFIX!r} are the service's own"
+            )
+        assert name is not None
         folder = self.state_folder(model_id, "sampler_weights", name)
         if folder.exists():
             raise UserError(f"sampler weights {name!r} exist already for {model_id}: pick another name")
         self.policies.save_for_sampler(adapter, folder)
         path = f"{TINKER_SCHEME}{model_id}/sampler_weights/{name}"
         self.record(model_id, {"call": "save_weights_for_sampler", "path": str(folder)})
-        if session_seq is None or name != folder.name or not name.startswith("snapshot-"):
+        if not snapshot:
             return Result({"path": path})
         sampler = self.new_sampler(model_id, path, folder, f"{model_id}:sample:{session_seq}")
         self.snapshots.setdefault(model_id, deque()).append(sampler)
@@ -386,7 +393,9 @@ class Service:
     def new_sampler(
         self, model_id: str | None, path: str | None, folder: Path | None, sampler_id: str
     ) -> Sampler:
-        adapter = None if folder is None else f"{self.instance}-{next(self.adapter_names)}"
+        adapter = None
+        if folder is not None:
+            adapter = self.adapter_of.setdefault(folder, f"{self.instance}-{next(self.adapter_names)}")
         sampler = Sampler(sampler_id, model_id, path, folder, adapter)
         self.samplers[sampler_id] = sampler
         return sampler
@@ -401,9 +410,16 @@ class Service:
             if self.sampler.in_flight.get(old.adapter):
                 return  # next time
             line.popleft()
-            self.samplers.pop(old.sampler_id, None)
+            await self.delete_snapshot(old)
+
+    async def delete_snapshot(self, old: Sampler) -> None:
+        """An unnamed snapshot goes: its sampling session, its adapter in vLLM, its folder."""
+        assert old.folder is not None and old.adapter is not None
+        self.samplers.pop(old.sampler_id, None)
+        self.adapter_of.pop(old.folder, None)
+        if self.sampler is not None:
             await self.sampler.forget(old.adapter)
-            await asyncio.to_thread(shutil.rmtree, old.folder, True)
+        await asyncio.to_thread(shutil.rmtree, old.folder, True)
 
     def sampling_enabled(self) -> GatewaySampler:
         if self.sampler is None:

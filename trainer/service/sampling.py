@@ -233,10 +233,6 @@ class GatewaySampler:
             self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=600.0)
         return self._client
 
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-
     async def _post(self, path: str, body: dict[str, Any], what: str) -> httpx.Response:
         """POST, retried on connection errors and 502/503/504 within the budget; other answers are returned."""
 
@@ -324,3 +320,5 @@ class GatewaySampler:
         finally:
             if name is not None:
                 self.in_flight[name] -= 1
+                if not self.in_flight[name]:
+                    del self.in_flight[name]

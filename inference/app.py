@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import math
@@ -34,10 +35,10 @@ from inference.intake import (
     until_disconnect,
     validation_message,
 )
-from inference.lanes import SoloLane
+from inference.lanes import SoloLane, scoring_runs_alone
 from inference.named import NamedAdapters, named_routes
 from inference.policy import Policy, PolicyRegistry, VersionLedger
-from inference.probe_check import ProbeCheck, compare_probe
+from inference.probe_check import ProbeCheck, calibrated_tolerance, compare_probe, separation
 from inference.wire import (
     ExpectRequest,
     ExpectResponse,
@@ -131,11 +132,14 @@ class Gateway:
         self.vocab_size = vocab_size
         self.publish_lock = asyncio.Lock()
         self.cleanup_lock = asyncio.Lock()
-        self.lane = SoloLane()  # prompt-logprob requests run alone in vLLM (inference/lanes.py)
+        self.lane = SoloLane(scoring_runs_alone(cfg))  # prompt scoring alone in vLLM where it must (lanes.py)
         # Holds new requests while the trainer publishes the next version (inference/gate.py).
         self.gate = Gate(lambda: registry.in_flight().get(registry.current.version, 0))
         self.stats = RequestStats()
         self.stop_notices = LogLimiter(burst=1, window_s=60.0)  # one INFO line per route and minute
+        # The base model's mean |vLLM - trainer| on a probe's prompts, measured once per gateway (before any
+        # adapter has used a LoRA slot): the noise floor of the `mean` verification statistic.
+        self.base_noise: dict[tuple[tuple[int, ...], ...], float] = {}
 
     def note_moved_stop_ids(self, route: str, ids: list[int]) -> None:
         """Say (at most once a minute per route) that integer stop entries became stop_token_ids: a rewrite of
@@ -228,12 +232,16 @@ class Gateway:
                     version=req.version, lora_name=policy.model_name, load_s=0.0, unloaded=[], noop=True
                 )
             started = time.perf_counter()
+            noise = None if req.probe is None else await self._calibrate(req.probe)
             if needs_load:
                 assert req.adapter_path is not None  # only version 0 has none, and it is never loaded
-                self.backend.validate_adapter(req.adapter_path)
+                # In a worker thread: reading a large adapter must not stall every other request and /health.
+                await asyncio.to_thread(self.backend.validate_adapter, req.adapter_path)
                 await self.backend.load_adapter(policy)
             check, verify_s = (
-                (None, None) if req.probe is None else await self._verify(policy, req.probe, needs_load)
+                (None, None)
+                if req.probe is None
+                else await self._verify(policy, req.probe, needs_load, noise)
             )
             retracted = self.registry.make_current(policy)
             load_s = time.perf_counter() - started
@@ -258,6 +266,10 @@ class Gateway:
             hold_s=0.0 if spell is None else spell.closed_s,
             held_requests=0 if spell is None else spell.held_requests,
             verify_max_abs_diff=None if check is None else check.max_abs_diff,
+            verify_mean_abs_diff=None if check is None else check.mean_abs_diff,
+            verify_tolerance=None if check is None else check.tolerance,
+            verify_noise=noise,
+            verify_separation=None if check is None else check.separation,
             verify_s=verify_s,
         )
 
@@ -267,12 +279,7 @@ class Gateway:
             return self.gate.open()
         return None
 
-    async def _verify(
-        self, policy: Policy, probe: PublishProbe, loaded_now: bool
-    ) -> tuple[ProbeCheck, float]:
-        """One greedy token per probe prompt on `policy` (not yet serving), its top-k logprobs compared with the
-        trainer's; on a mismatch the adapter is unloaded again and the publish refused with the numbers."""
-        started = time.perf_counter()
+    async def _probe_answer(self, probe: PublishProbe, policy: Policy) -> list[dict[int, float]]:
         body = {
             "prompt": probe.prompts,
             "max_tokens": 1,
@@ -281,8 +288,45 @@ class Gateway:
             "return_tokens_as_token_ids": True,
         }
         async with self.lane.enter(False):
-            answer = await self.backend.forward("/v1/completions", body, policy)
-        check = compare_probe(probe.top_logprobs, served_top_logprobs(answer), probe.tolerance)
+            return served_top_logprobs(await self.backend.forward("/v1/completions", body, policy))
+
+    async def _calibrate(self, probe: PublishProbe) -> float | None:
+        """The `mean` statistic's noise floor: the base model on both sides of the probe. A base that does not
+        even share its top tokens with the trainer's base is not the trainer's model: nothing can be verified."""
+        if probe.statistic != "mean" or "base" not in probe.references:
+            return None
+        key = tuple(tuple(prompt) for prompt in probe.prompts)
+        if key not in self.base_noise:
+            check = compare_probe(
+                probe.references["base"], await self._probe_answer(probe, self.registry.base), 1.0
+            )
+            if not math.isfinite(check.mean_abs_diff):
+                raise BackendError(
+                    422,
+                    "publish verification: vLLM's base model does not give the trainer's base-model logprobs on "
+                    f"the probe prompts ({check.describe()}); the gateway serves another model than the "
+                    "trainer trains, or a broken one. Check inference.model against model.path",
+                    reason="verification_failed",
+                )
+            self.base_noise[key] = check.mean_abs_diff
+            log.info("publish verification calibrated on the base model: %s", check.describe())
+        return self.base_noise[key]
+
+    async def _verify(
+        self, policy: Policy, probe: PublishProbe, loaded_now: bool, noise: float | None
+    ) -> tuple[ProbeCheck, float]:
+        """One greedy token per probe prompt on `policy` (not yet serving), its top-k logprobs compared with the
+        trainer's; on a mismatch the adapter is unloaded again and the publish refused with the numbers."""
+        started = time.perf_counter()
+        tolerance = probe.tolerance
+        if noise is not None:
+            tolerance = calibrated_tolerance(probe.tolerance, noise, probe.adapter_effect or 0.0)
+        check = compare_probe(
+            probe.top_logprobs, await self._probe_answer(probe, policy), tolerance, probe.statistic
+        )
+        check = dataclasses.replace(
+            check, separation=separation(probe.top_logprobs, probe.references, tolerance)
+        )
         if check.passed:
             return check, time.perf_counter() - started
         log.error(
@@ -302,6 +346,8 @@ class Gateway:
             reason="verification_failed",
             detail={
                 "max_abs_diff": check.max_abs_diff if math.isfinite(check.max_abs_diff) else None,
+                "mean_abs_diff": check.mean_abs_diff if math.isfinite(check.mean_abs_diff) else None,
+                "tolerance": check.tolerance,
                 "compared": check.compared,
             },
         )

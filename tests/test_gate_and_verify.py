@@ -17,6 +17,7 @@ from inference.gate import Gate
 from inference.policy import Policy
 from inference.probe_check import compare_probe
 from tests.test_gateway_unit import ScriptedBackend, client_for, make_adapter, publish_body
+from trainer.training.publishing import FLOAT32_TOLERANCE, LOW_PRECISION_TOLERANCE
 
 GEN = {"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 4}
 
@@ -287,8 +288,12 @@ def test_a_refused_publish_is_written_again_and_retried_then_stops_the_run(tmp_p
     outcome = Publisher(cfg, backend, gateway, overlap=False).start(1).result()  # type: ignore[arg-type]
     assert outcome.failures == retries and backend.saves == retries + 1
     assert outcome.worst_refused_diff == (0.7 if retries else None)
-    # vLLM's dtype is not stated in this config: the looser, low-precision tolerance applies.
-    assert all(p is not None and len(p.prompts) == 4 and p.tolerance == 0.1 for _, _, p in gateway.published)
+    # vLLM's dtype is not stated in this config: 'auto' beside a float32 CPU trainer is float32, so the largest
+    # difference is held to the float32 tolerance.
+    assert all(
+        p is not None and len(p.prompts) == 4 and p.tolerance == FLOAT32_TOLERANCE and p.statistic == "max"
+        for _, _, p in gateway.published
+    )
     # One refusal more than the retries: the run stops (exit code 3 in trainer/__main__.py), with the numbers.
     gateway, backend = FlakyGateway(refusals=retries + 1), ProbingBackend(tmp_path / "again")
     (tmp_path / "again").mkdir()
@@ -334,17 +339,22 @@ def test_a_stop_does_not_wait_for_a_publish_the_stopping_gateway_never_answers(t
 
 
 @pytest.mark.parametrize(
-    ("config", "device", "tolerance"),
-    [("tiny_cpu.yaml", "cpu", 1e-3), ("gsm8k.yaml", "cuda", 0.1), ("gsm8k.yaml", "cpu", 0.1)],
+    ("config", "device", "expected"),
+    [
+        ("tiny_cpu.yaml", "cpu", (1e-3, "max")),
+        ("tiny_cpu.yaml", "cuda", (0.02, "mean")),  # the tiny recipe runs in bf16 on CUDA
+        ("gsm8k.yaml", "cuda", (0.02, "mean")),
+        ("gsm8k.yaml", "cpu", (0.02, "mean")),
+    ],
 )
-def test_the_verification_tolerance_follows_the_dtypes(config, device, tolerance):
+def test_the_verification_statistic_follows_the_dtypes(config, device, expected):
     from trainer.training.config import RunConfig, load_config
     from trainer.training.publishing import verify_tolerance
 
     cfg = load_config(RunConfig, Path(__file__).parent.parent / "configs" / config)
-    assert verify_tolerance(cfg, device) == tolerance
-    cfg.publish.verify_tolerance = 0.02
-    assert verify_tolerance(cfg, device) == 0.02
+    assert verify_tolerance(cfg, device) == expected
+    cfg.publish.verify_tolerance = 0.05
+    assert verify_tolerance(cfg, device) == (0.05, expected[1])
 
 
 @pytest.mark.parametrize(("given", "gate"), [("on", "on"), ("off", "off"), ("auto", "auto"), ("'on'", "on")])
@@ -352,3 +362,106 @@ def test_publish_gate_takes_bare_on_and_off(given, gate):
     from trainer.training.config import RunConfig, load_config
 
     assert load_config(RunConfig, None, [f"publish.gate={given}"]).publish.gate == gate
+
+
+class NoisyBackend(ScriptedBackend):
+    """A bf16-like vLLM: version v's answer to prompt p is logprob -0.5 * (1 + v) for ids 1..8, each moved by a
+    fixed +-noise (the same per id on every version, the base included), so the mean |diff| is `noise` exactly."""
+
+    def __init__(self, noise: float):
+        super().__init__()
+        self.noise = noise
+        self.probed: list[str] = []
+        self.answer_as: dict[int, int] = {}  # version -> the version whose weights vLLM actually answers with
+
+    async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
+        self.probed.append(policy.model_name)
+        version = self.answer_as.get(policy.version, policy.version)
+        top = {f"token_id:{t}": answer(version, t) + self.noise * (-1) ** t for t in range(1, 9)}
+        choice = {"logprobs": {"top_logprobs": [top]}, "token_ids": [1]}
+        return {"choices": [{"index": i, **choice} for i in range(len(body["prompt"]))]}
+
+
+def answer(version: int, token: int) -> float:
+    return -0.5 * (1 + version) - 0.01 * token
+
+
+def mean_probe(version: int, **references: int) -> dict:
+    def tops(v: int) -> list[dict[str, float]]:
+        return [{str(t): answer(v, t) for t in range(1, 9)}] * 2
+
+    return {
+        "prompts": [[3, 4], [5, 6]],
+        "top_logprobs": tops(version),
+        "tolerance": LOW_PRECISION_TOLERANCE,
+        "statistic": "mean",
+        "references": {name: tops(v) for name, v in references.items()},
+        "adapter_effect": 0.5 * version,
+    }
+
+
+async def test_the_mean_statistic_is_calibrated_on_the_base_and_passes_bf16_noise(tmp_path):
+    """Noise of 0.1 on every logprob (past any fixed max tolerance) passes once the base shows the same noise;
+    the tolerance is 4x the base's noise plus 3% of the adapter's effect."""
+    backend = NoisyBackend(noise=0.1)
+    client, reg = client_for(backend)
+    async with client:
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": mean_probe(1, base=0)}
+        r = await client.post("/policy/publish", json=body)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        assert reply["verify_noise"] == pytest.approx(0.1) and reply["verify_mean_abs_diff"] == pytest.approx(
+            0.1
+        )
+        assert reply["verify_tolerance"] == pytest.approx(4 * 0.1 + 0.03 * 0.5)
+        assert reply["verify_separation"] == pytest.approx(0.5 / reply["verify_tolerance"])
+        assert backend.probed == [
+            reg.base.model_name,
+            "policy-v1",
+        ]  # the base first, before any slot was used
+        # Calibrated once per gateway: the next publish probes only its own adapter.
+        body = publish_body(2, make_adapter(tmp_path, "a2")) | {"probe": mean_probe(2, base=0, previous=1)}
+        assert (await client.post("/policy/publish", json=body)).status_code == 200
+        assert backend.probed == [reg.base.model_name, "policy-v1", "policy-v2"]
+
+
+@pytest.mark.parametrize("served_as", ["previous", "base", "other"])
+async def test_the_mean_statistic_still_refuses_a_wrong_adapter(tmp_path, served_as):
+    """Under bf16-sized noise, the adapter served is the previous version's, no adapter at all, or another one:
+    refused, and nothing stays loaded under the refused version."""
+    backend = NoisyBackend(noise=0.05)
+    client, reg = client_for(backend)
+    async with client:
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": mean_probe(1, base=0)}
+        assert (await client.post("/policy/publish", json=body)).status_code == 200
+        backend.answer_as[2] = {"previous": 1, "base": 0, "other": 7}[served_as]
+        body = publish_body(2, make_adapter(tmp_path, "a2")) | {"probe": mean_probe(2, base=0, previous=1)}
+        r = await client.post("/policy/publish", json=body)
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["type"] == "verification_failed" and err["mean_abs_diff"] > err["tolerance"]
+        assert reg.current.version == 1 and backend.unloaded[-1] == "policy-v2"
+
+
+async def test_a_base_model_that_is_not_the_trainers_refuses_every_publish(tmp_path):
+    backend = NoisyBackend(noise=0.0)
+    client, reg = client_for(backend)
+    async with client:
+        probe = mean_probe(1, base=0)
+        probe["references"]["base"] = [{"100": -0.1, "101": -0.2}] * 2  # another model's top tokens
+        r = await client.post(
+            "/policy/publish", json=publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": probe}
+        )
+        assert r.status_code == 422 and "base model" in r.json()["error"]["message"]
+        assert reg.current.version == 0 and "policy-v1" not in backend.loaded
+
+
+async def test_probe_references_must_align_with_the_prompts(tmp_path):
+    client, _ = client_for(NoisyBackend(noise=0.0))
+    async with client:
+        probe = mean_probe(1, base=0)
+        probe["references"]["base"] = probe["references"]["base"][:1]
+        r = await client.post(
+            "/policy/publish", json=publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": probe}
+        )
+        assert r.status_code == 400 and "references.base" in r.text

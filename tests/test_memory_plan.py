@@ -260,7 +260,10 @@ def test_dry_run_prints_the_plan_and_exits_2_when_a_stated_gpu_is_too_small(tmp_
         "activations, checkpointing on",
         "KV cache",
         "LoRA slots",
+        "CUDA graphs (vLLM's estimate)",
         "on one 80.00 GiB GPU",
+        "vLLM KV cache per replica:",
+        "step batches",
     ):
         assert needle in out, needle
     assert main([*args, "launch.gpu_memory_gib=40"]) == 2
@@ -280,3 +283,118 @@ def test_a_real_launch_refuses_before_starting_anything(tmp_path):
         check_memory(cfg, str(folder))
     assert "inference.vllm.gpu_memory_utilization" in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_default_utilization_is_vllm_0_32s_own():
+    import importlib.util
+    import re
+
+    from trainer.orchestration.memory_plan import VLLM_DEFAULT_UTILIZATION
+
+    cfg = load_config(
+        RunConfig, ROOT / "configs" / "gsm8k.yaml", ["inference.vllm.gpu_memory_utilization=null"]
+    )
+    plan = build_memory_plan(cfg, LLAMA_8B, gateway_for(cfg), 80 * GiB, on_cuda=True)
+    assert VLLM_DEFAULT_UTILIZATION == 0.92 and plan.vllm_facts["budget"] == int(0.92 * 80 * GiB)
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed: its source cannot be compared")
+    source = (Path(next(iter(spec.submodule_search_locations))) / "config" / "cache.py").read_text()
+    found = re.search(r"gpu_memory_utilization: float = Field\(\s*default=([0-9.]+)", source)
+    assert found is not None and float(found.group(1)) == VLLM_DEFAULT_UTILIZATION
+
+
+def test_cuda_graph_counts_follow_vllms_capture_rules():
+    from trainer.orchestration.memory_plan import VLLMSettings, capture_sizes, count_cuda_graphs
+
+    # A published vLLM start-up log (max_num_seqs 256, 2048 batched tokens, no LoRA) reads "Profiling CUDA graph
+    # memory: PIECEWISE=51 (largest=512), FULL=35 (largest=256)".
+    sizes = capture_sizes(256, 2048)
+    assert (len(sizes), sizes[-1]) == (51, 512)
+    v = VLLMSettings("bfloat16", 32, 5, 2048, None, None, None, None, None)
+    assert count_cuda_graphs(v, 256, 2048, lora=False) == (51, 35)
+    assert count_cuda_graphs(v, 256, 2048, lora=True) == (102, 70)  # without and with LoRA active
+    assert capture_sizes(4, 8192) == [1, 2, 4, 8]  # ceiling 2 x max_num_seqs; max_num_seqs itself included
+    assert capture_sizes(1024, 100)[-1] == 100  # max_num_batched_tokens under the ceiling is captured
+    eager = VLLMSettings("bfloat16", 32, 5, 2048, None, None, None, None, None, enforce_eager=True)
+    assert count_cuda_graphs(eager, 256, 2048, lora=True) == (0, 0)
+
+
+def test_the_kv_cache_is_the_budget_less_weights_slots_activations_and_cuda_graphs():
+    cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml")
+    gateway = gateway_for(cfg)
+    plan = build_memory_plan(cfg, LLAMA_8B, gateway, 80 * GiB, on_cuda=True)
+    assert plan.vllm is not None
+    parts = {p.name: p.bytes for p in plan.vllm.parts}
+    graphs = parts["CUDA graphs (vLLM's estimate)"]
+    assert 1 * GiB < graphs < 2 * GiB and plan.vllm_facts["graphs"] == 204  # 51 sizes x 2 modes x 2 (LoRA)
+    inside = sum(b for name, b in parts.items() if name not in ("KV cache", "CUDA context, NCCL (allowance)"))
+    assert parts["KV cache"] == int(0.35 * 80 * GiB) - inside
+    # vLLM's CUDA context sits outside its budget but not outside the GPU: the share the trainer must leave.
+    assert plan.vllm_facts["share"] == plan.vllm.total == plan.vllm_facts["budget"] + GiB
+
+    eager_gateway = {**gateway, "vllm": {**gateway["vllm"], "enforce_eager": True}}
+    eager = build_memory_plan(cfg, LLAMA_8B, eager_gateway, 80 * GiB, on_cuda=True)
+    assert eager.vllm_facts["kv"] - plan.vllm_facts["kv"] == graphs
+    on_cpu = build_memory_plan(cfg, LLAMA_8B, gateway, 80 * GiB, on_cuda=False)
+    assert on_cpu.vllm_facts["graphs"] == 0  # vLLM's CPU platform captures none
+
+
+def test_the_plan_says_how_much_of_a_step_the_kv_cache_holds():
+    from trainer.orchestration.memory_plan import format_plan
+
+    cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml")
+    plan = build_memory_plan(cfg, LLAMA_8B, gateway_for(cfg), 80 * GiB, on_cuda=True)
+    f = plan.vllm_facts
+    per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads of 128, bf16
+    assert f["kv_tokens"] == f["kv"] // (per_token * 16) * 16
+    line = [x for x in format_plan(plan, "launch.gpu_memory_gib") if "vLLM KV cache per replica" in x]
+    assert line == [
+        f"  vLLM KV cache per replica: {f['kv_tokens']} tokens = {f['kv_tokens'] / 2048:.1f} sequences of "
+        "max_model_len 2048; a step samples 128 sequences (8 groups x 16) of up to 1024 tokens "
+        f"(rollout.max_token_length, prompt + completion): {f['kv_tokens'] // 1024} fit at once = "
+        f"{f['kv_tokens'] // 1024 / 128:.2f} step batches"
+    ]
+    # gsm8k's 0.35 of 80 GiB: about 8 GiB of KV cache, half of one step's worst-case sequences at once.
+    assert 60_000 < f["kv_tokens"] < 70_000 and f["sequences_at_once"] == 64
+
+
+def trainer_argv(tmp_path: Path, overrides: list[str]) -> list[str]:
+    from trainer.orchestration.commands import build_components
+
+    cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml", overrides)
+    (trainer,) = [c for c in build_components(cfg, tmp_path, "/m") if c.name == "trainer"]
+    return trainer.argv
+
+
+def env_seen_by(argv: list[str], name: str) -> str | None:
+    """The value of `name` in the environment the trainer's command line gives its Python (run for real, with the
+    trainer's own prefix and a one-line program in place of `-m trainer ...`)."""
+    import subprocess
+    import sys
+
+    prefix = argv[: argv.index(sys.executable)] if sys.executable in argv else []
+    script = f"import os; print(os.environ.get({name!r}, '<unset>'))"
+    out = subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    value = out.stdout.strip()
+    return None if value == "<unset>" else value
+
+
+def test_the_trainer_starts_with_expandable_segments_unless_the_user_chose(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    argv = trainer_argv(tmp_path, ["model.device=cuda", "distributed.devices='1'"])
+    assert env_seen_by(argv, "PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True"
+    assert env_seen_by(argv, "CUDA_VISIBLE_DEVICES") == "1"
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    argv = trainer_argv(tmp_path, ["model.device=cuda"])
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" not in argv
+    assert env_seen_by(argv, "PYTORCH_CUDA_ALLOC_CONF") == "backend:cudaMallocAsync"
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # torch's newer name counts too
+    assert env_seen_by(trainer_argv(tmp_path, ["model.device=cuda"]), "PYTORCH_CUDA_ALLOC_CONF") is None
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    assert env_seen_by(trainer_argv(tmp_path, ["model.device=cpu"]), "PYTORCH_CUDA_ALLOC_CONF") is None

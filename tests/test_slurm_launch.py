@@ -61,7 +61,10 @@ def test_sbatch_launch_learns_the_toy_task_and_leaves_nothing_behind(tmp_path):
     assert f"SLURM job {job}: run-api on " in out and "run finished" in out
     # Every component ran as a step of the job, not as a plain child of the batch script.
     for name in ("run-api", "gateway", "env", "trainer"):
-        assert (run_dir / "logs" / f"{name}.log").read_text().startswith("=== srun --jobid=")
+        first = (run_dir / "logs" / f"{name}.log").read_text().splitlines()[0]
+        assert first.startswith("=== srun --jobid="), first
+        # The zero-GPU options run on a real slurmctld (this node has no GRES: the options must still be accepted).
+        assert ("--gpus-per-node=0" in first) == (name in ("run-api", "env")), first
     started = datetime.fromisoformat(info["StartTime"]).timestamp()
     print(
         json.dumps(

@@ -26,12 +26,13 @@ from trainer.backends.collectives import (
     init_process_group,
     rank_info,
     shard_indices,
-    sum_gradients_hook,
+    wrap_data_parallel,
 )
+from trainer.orchestration import cuda_check
 from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
 from trainer.training.checkpoints import failpoint, fsync_path
 from trainer.training.config import RunConfig
-from trainer.training.logprobs import compute_token_logprobs
+from trainer.training.logprobs import compute_token_logprobs, top_logprobs
 from trainer.training.losses import (
     LossInputs,
     LossParams,
@@ -44,18 +45,48 @@ from trainer.training.losses import (
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
-def resolve_device(cfg: RunConfig) -> torch.device:
-    """The device of this rank: cuda:LOCAL_RANK under torchrun on GPUs."""
-    if cfg.model.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("model.device=cuda but no CUDA device is visible; use model.device=cpu or auto")
-    use_cuda = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
-    return torch.device("cuda", rank_info().local_rank) if use_cuda else torch.device("cpu")
+def resolve_device(cfg: RunConfig, dev_dir: Path = Path("/dev")) -> torch.device:
+    """The device of this rank: cuda:LOCAL_RANK under torchrun on GPUs. `auto` means the CPU only on a machine
+    without NVIDIA GPU device files (in dev_dir): with GPUs there but CUDA unusable, it is an error naming why,
+    not an 8B model trained on the CPU without a word."""
+    if cfg.model.device == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank_info().local_rank)
+    gpus = [str(dev_dir / name) for name in cuda_check.nvidia_device_files(dev_dir)]
+    if cfg.model.device == "auto" and not gpus:
+        return torch.device("cpu")
+    why = cuda_check.diagnose(cuda_check.read_state()) or "torch.cuda.is_available() is False"
+    where = f"on a machine with NVIDIA GPUs ({', '.join(gpus)})" if gpus else "on this machine"
+    raise RuntimeError(
+        f"model.device={cfg.model.device} {where}, but CUDA is not usable: {why}. Fix that, or set "
+        "model.device=cpu to train on the CPU on purpose"
+    )
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def use_tf32_on_cuda(device: torch.device) -> bool:
+    """Let fp32 matmuls on CUDA run on TF32 tensor cores; True when it did. The LoRA weights are fp32 masters (see
+    build_peft_model), so every LoRA matmul (x @ A, then @ B) and its backward is an fp32 matmul that otherwise runs
+    at full fp32 speed, several times slower than TF32 on Ampere and later. TF32 keeps fp32's range and rounds
+    the inputs to a 10-bit mantissa, still finer than the bf16 base those activations come from. CUDA's own
+    switches only: torch.set_float32_matmul_precision("high") would also move oneDNN's CPU matmuls off fp32, and
+    the CPU recipes compare logprobs with vLLM to 1e-5."""
+    if device.type != "cuda":
+        return False
+    # cuBLAS only: cuDNN convolutions already default to TF32 (and a decoder LM has none).
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        # torch >= 2.9's setting. Mixing it with the legacy allow_tf32 flag makes torch raise when either is read
+        # (transformers and inductor read the new one), so the legacy flag is set only where this does not exist.
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return True
 
 
 def resolve_model_path(path: str) -> str:
@@ -78,6 +109,7 @@ def build_peft_model(cfg: RunConfig, device: torch.device, model: Any = None) ->
             kwargs["attn_implementation"] = cfg.model.attn_implementation
         model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.path), **kwargs)
     model.to(device)
+    use_tf32_on_cuda(device)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(cfg.lora.seed)
@@ -177,11 +209,8 @@ class LocalBackend:
         self.net: torch.nn.Module = TokenLogprobs(self.model, cfg.trainer.logprob_chunk_tokens)
         self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
         if self.ranks.world_size > 1:
-            # DDP broadcasts rank 0's weights at construction, so every rank starts from the same adapter.
-            self.ddp = torch.nn.parallel.DistributedDataParallel(
-                self.net, device_ids=[self.device.index] if self.device.type == "cuda" else None
-            )
-            self.ddp.register_comm_hook(None, sum_gradients_hook)
+            # Broadcasts rank 0's LoRA weights (not the frozen base), so every rank starts from the same adapter.
+            self.ddp = wrap_data_parallel(self.net, self.device)
             self.net = self.ddp
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, fused=self.device.type == "cuda")
@@ -316,21 +345,23 @@ class LocalBackend:
     # --- publish verification -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def probe(self, prompts: list[list[int]], top_k: int) -> list[dict[int, float]]:
-        """For each prompt, the top-k logprobs of the next token (raw logits: what vLLM reports for a greedy token).
-        One forward of the equal-length prompts; no gradients, dropout off."""
+    def probe_logprobs(self, prompts: list[list[int]], adapter: bool = True) -> torch.Tensor:
+        """[P, V] float32 logprobs of the next token after each prompt (raw logits: what vLLM reports for a greedy
+        token), on CPU; with `adapter=False` the base model's. One forward of the equal-length prompts; no
+        gradients, dropout off."""
         was_training = self.model.training
         self.model.eval()
         try:
             ids_BT = torch.tensor(prompts, device=self.device)
-            logits_BV = self.model(input_ids=ids_BT, use_cache=False).logits[:, -1].float()
+            with contextlib.nullcontext() if adapter else self.model.disable_adapter():
+                logits_BV = self.model(input_ids=ids_BT, use_cache=False).logits[:, -1].float()
         finally:
             self.model.train(was_training)
-        top = torch.log_softmax(logits_BV, dim=-1).topk(min(top_k, logits_BV.shape[-1]), dim=-1)
-        return [
-            dict(zip(ids.tolist(), lps.tolist(), strict=True))
-            for ids, lps in zip(top.indices, top.values, strict=True)
-        ]
+        return torch.log_softmax(logits_BV, dim=-1).cpu()
+
+    def probe(self, prompts: list[list[int]], top_k: int) -> list[dict[int, float]]:
+        """For each prompt, the top-k logprobs of the next token: token id -> logprob."""
+        return top_logprobs(self.probe_logprobs(prompts), top_k)
 
     # --- saving ---------------------------------------------------------------------------------------------
 

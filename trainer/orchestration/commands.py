@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +149,16 @@ def server_argvs(run_dir: Path, placement: Placement | None, fds: dict[str, int]
     }
 
 
+def trainer_allocator_env(cfg: RunConfig, environ: Mapping[str, str]) -> list[str]:
+    """The trainer's CUDA allocator setting, unless the user chose one (PYTORCH_ALLOC_CONF is the newer name torch
+    also reads) or the trainer runs on CPU. Expandable segments keep the trainer's reserved memory near its planned
+    peak instead of growing with fragmentation, and let freed memory go back to the driver: a vLLM restarted after a
+    crash refuses to start unless its whole --gpu-memory-utilization share is free beside the trainer."""
+    if cfg.model.device == "cpu" or "PYTORCH_CUDA_ALLOC_CONF" in environ or "PYTORCH_ALLOC_CONF" in environ:
+        return []
+    return ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
+
+
 def build_components(
     cfg: RunConfig,
     run_dir: Path,
@@ -162,9 +174,12 @@ def build_components(
         argvs["env" if cfg.rollout.env_workers == 1 else f"env-{w}"] = env_command(cfg, model_path, w)
     rendezvous = f"{placement.hosts['trainer'][0]}:{placement.ports.rendezvous}" if placement else None
     argvs["trainer"] = trainer_command(cfg, str(run_dir / "config.yaml"), rendezvous, str(job_id))
+    trainer_env = trainer_allocator_env(cfg, os.environ)
     if cfg.distributed.devices:
         # Inside the command, not srun's environment: slurmstepd rewrites CUDA_VISIBLE_DEVICES for GPU steps.
-        argvs["trainer"] = ["env", f"CUDA_VISIBLE_DEVICES={cfg.distributed.devices}", *argvs["trainer"]]
+        trainer_env.append(f"CUDA_VISIBLE_DEVICES={cfg.distributed.devices}")
+    if trainer_env:
+        argvs["trainer"] = ["env", *trainer_env, *argvs["trainer"]]
     components = []
     for name, argv in argvs.items():
         if placement is not None:

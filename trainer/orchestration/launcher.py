@@ -30,7 +30,7 @@ from trainer.orchestration.processes import Component, listen, stop_all
 from trainer.orchestration.slurm import Placement, SlurmJob, job_from_env, parse_nodelist, plan
 from trainer.orchestration.supervisor import LaunchError, Supervisor, wait_http
 from trainer.training.checkpoints import read_latest
-from trainer.training.config import ConfigError, RunConfig, load_config
+from trainer.training.config import ConfigError, RunConfig, load_config, sampler_dtype
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 ANY_HOST = frozenset({"0.0.0.0", "::"})
@@ -70,7 +70,9 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
 def gateway_section(cfg: RunConfig, model_path: str, address: dict[str, Any] | None = None) -> dict[str, Any]:
     """The gateway's config, completed from the run (model folder, staleness window, sampler, the address this
     launch chose) and validated by the gateway's own model in its own interpreter; returned with every default
-    filled in. cfg.inference itself stays as the user wrote it, so a resumed run chooses its ports afresh."""
+    filled in. cfg.inference itself stays as the user wrote it (but for vLLM's dtype, resolved for this machine), so
+    a resumed run chooses its ports afresh."""
+    resolve_sampler_dtype(cfg)
     section = {**cfg.inference, **(address or {})}
     section.setdefault("max_staleness", cfg.rollout.max_staleness)
     if cfg.launch.backend == "tinker":
@@ -99,24 +101,28 @@ def gateway_section(cfg: RunConfig, model_path: str, address: dict[str, Any] | N
 
 def preflight(cfg: RunConfig) -> str:
     """Everything missing, reported at once within seconds: the model (or, for Tinker, only its tokenizer), the
-    Tinker key, the environment's data. Returns the local model (or tokenizer) folder or hub id."""
-    from trainer.orchestration.preflight import check_model, check_tinker
+    Tinker key, the environment's data. Then a model that is not here is downloaded (only once nothing else
+    stands in the way). Returns the local model (or tokenizer) folder, never a hub id."""
+    from trainer.orchestration.preflight import ModelDownload, check_tinker, download_model, find_model
 
     problems: list[str] = []
-    model_path = cfg.model.path
     tinker = cfg.launch.backend == "tinker"
+    wanted = (cfg.tinker.tokenizer or cfg.model.path) if tinker else cfg.model.path
+    found: str | ModelDownload | None = None
     try:
-        model_path = (
-            check_model(cfg.tinker.tokenizer or cfg.model.path, tokenizer_only=True)
-            if tinker
-            else check_model(cfg.model.path)
-        )
+        found = find_model(wanted, tokenizer_only=tinker)
     except ConfigError as exc:
         problems.append(str(exc))
     if tinker and not cfg.tinker.client_factory:
         problems += check_tinker()
-    if not problems or not cfg.rollout.env.endswith(".py"):  # an env file's check needs the model's tokenizer
-        problems += check_environment(cfg, model_path)
+    env_file = cfg.rollout.env.endswith(".py")  # an env file's check needs the model's tokenizer folder
+    if not env_file:
+        problems += check_environment(cfg, found if isinstance(found, str) else wanted)
+    if problems:
+        raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
+    assert found is not None  # find_model either answered or its problem was raised above
+    model_path = found if isinstance(found, str) else download_model(found)
+    problems = check_environment(cfg, model_path) if env_file else []
     if problems:
         raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
     return model_path
@@ -188,10 +194,14 @@ def write_private(path: Path, text: str) -> None:
 
 def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> int:
     """Everything a launch would start, and its memory plan; exit code 2 when the plan does not fit the GPU."""
-    from trainer.orchestration.preflight import plan_memory
+    from trainer.orchestration.preflight import describe_model, plan_memory
 
+    resolve_sampler_dtype(cfg)
     placement, address = place_on_slurm(cfg, job, preview=True) if job is not None else (None, None)
     print(yaml.safe_dump(redacted(cfg.model_dump(mode="json")), sort_keys=False), end="")
+    tinker = cfg.launch.backend == "tinker"
+    wanted = (cfg.tinker.tokenizer or cfg.model.path) if tinker else cfg.model.path
+    print(f"# {describe_model(wanted, tokenizer_only=tinker)}")  # a dry run downloads nothing
     print("# gateway.yaml (the gateway's own config, validated by it):")
     gateway = redacted(gateway_section(cfg, cfg.model.path, address))
     print("".join(f"#   {line}\n" for line in yaml.safe_dump(gateway, sort_keys=False).splitlines()), end="")
@@ -229,6 +239,18 @@ def check_memory(cfg: RunConfig, model_path: str) -> None:
     print("\n".join(lines), flush=True)
     if problems:
         raise ConfigError("the config does not fit its GPU:\n  - " + "\n  - ".join(problems))
+
+
+def resolve_sampler_dtype(cfg: RunConfig) -> None:
+    """Write vLLM's dtype for this machine into the run (config.yaml and gateway.yaml alike): the trainer picks its
+    verification statistic from it, and the tiny recipes' 'auto' must mean float32 on CPU, bfloat16 on CUDA."""
+    if cfg.launch.backend != "local":
+        return
+    from trainer.orchestration.preflight import probe_gpu_memory
+
+    cuda = cfg.launch.gpu_memory_gib is not None or probe_gpu_memory() is not None
+    vllm = dict(cfg.inference.get("vllm") or {})
+    cfg.inference = {**cfg.inference, "vllm": {**vllm, "dtype": sampler_dtype(cfg, cuda)}}
 
 
 def write_run_folder(cfg: RunConfig, run_dir: Path, model_path: str, job: SlurmJob | None) -> list[Component]:

@@ -22,12 +22,23 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = ATTENTION_PROJECTIONS + MLP_PROJECTIONS  # PEFT's all-linear on these models (lm_head excluded)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "bf16": 2, "fp16": 2, "float32": 4, "float": 4}
 # Allowances, not derived: a CUDA context with torch's kernels loaded (~0.5 GiB on an H100), cuBLAS workspaces and
-# the caching allocator's rounding and fragmentation for the trainer; for vLLM the same context plus CUDA graphs,
-# the sampler's buffers and NCCL. They are round numbers to keep a margin, not measurements.
+# the caching allocator's rounding and fragmentation for the trainer. vLLM 0.32 takes its start-up snapshot after
+# its CUDA context and NCCL exist (vllm/v1/worker/gpu_worker.py init_device), so those sit outside its
+# --gpu-memory-utilization budget; the non-torch memory it allocates later (cuBLAS and attention workspaces) sits
+# inside. They are round numbers to keep a margin, not measurements.
 TRAINER_CUDA_ALLOWANCE = 1 * GiB
-VLLM_RUNTIME_ALLOWANCE = 2 * GiB
-VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's own default for --gpu-memory-utilization
+VLLM_RUNTIME_ALLOWANCE = 1 * GiB  # inside the budget
+VLLM_CONTEXT_ALLOWANCE = 1 * GiB  # outside the budget
+VLLM_DEFAULT_UTILIZATION = 0.92  # vLLM 0.32's --gpu-memory-utilization default (vllm/config/cache.py)
 VLLM_BLOCK_TOKENS = 16  # KV cache is allocated in blocks of this many tokens
+VLLM_MAX_GRAPH_TOKENS = 512  # vLLM 0.32's largest default CUDA-graph batch (1024 on B200/B300 only)
+# vLLM 0.32 captures CUDA graphs during start-up profiling and takes its estimate from the budget before sizing the
+# KV cache (gpu_worker.py determine_available_memory; VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 1). The
+# estimate (gpu_model_runner.py profile_cudagraph_memory) is measured: per mode, the first (largest) capture plus
+# the second capture's cost times the remaining graphs. The graph count follows vLLM's rules below; the cost per
+# graph is an allowance: a published Qwen3-8B start-up log (LMCache issue 3430) shows 0.52 GiB for 86 graphs
+# without LoRA, about 6 MiB each.
+VLLM_GRAPH_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True)
@@ -277,6 +288,7 @@ class VLLMSettings:
     max_num_batched_tokens: int | None
     max_num_seqs: int | None
     kv_cache_dtype: str | None
+    enforce_eager: bool = False  # no CUDA graphs
 
     @classmethod
     def from_gateway(cls, gateway: dict[str, Any]) -> VLLMSettings:
@@ -302,14 +314,16 @@ class VLLMSettings:
             max_num_batched_tokens=int(batched) if batched else None,
             max_num_seqs=int(seqs) if seqs else None,
             kv_cache_dtype=flag("--kv-cache-dtype"),
+            enforce_eager=bool(v.get("enforce_eager")) or "--enforce-eager" in extra,
         )
 
 
 def build_vllm_plan(
-    shape: ModelShape, cfg: RunConfig, v: VLLMSettings, gpu_bytes: int | None
+    shape: ModelShape, cfg: RunConfig, v: VLLMSettings, gpu_bytes: int | None, on_cuda: bool = True
 ) -> tuple[ProcessPlan, dict[str, int]]:
-    """vLLM's share of a GPU: weights, LoRA slots (preallocated for max_loras adapters at max_lora_rank in every
-    linear layer), its profiling run's activations, an allowance, and the KV cache that is left."""
+    """vLLM's share of a GPU: inside its budget weights, LoRA slots (preallocated for max_loras adapters at
+    max_lora_rank in every linear layer), its profiling run's activations, its CUDA-graph estimate, an allowance,
+    and the KV cache that is left; outside it, the CUDA context."""
     dtype = v.dtype if v.dtype != "auto" else str(shape.dtype or "bfloat16")
     b = dtype_bytes(dtype)
     plan = ProcessPlan()
@@ -321,19 +335,27 @@ def build_vllm_plan(
     )
     plan.add("LoRA slots", v.max_loras * per_slot * b, f"{v.max_loras} x rank {v.max_lora_rank}")
     big_gpu = gpu_bytes is not None and gpu_bytes >= 70 * GiB
-    tokens = v.max_num_batched_tokens or (8192 if big_gpu else 2048)  # vLLM's server defaults
+    tokens = v.max_num_batched_tokens or (8192 if big_gpu else 2048)  # vLLM's server defaults (not A100s)
     seqs = v.max_num_seqs or (1024 if big_gpu else 256)
     # The profiling run: one layer's widest tensors at `tokens`, and fp32 logits (and probabilities) of the
     # sampled positions. An estimate; vLLM measures its own and sizes the KV cache from what it saw.
-    layer = tokens * (2 * shape.intermediate + shape.q_dim + 2 * shape.kv_dim + 2 * shape.hidden) * b
     plan.add(
-        "activations (profiling run)", layer + 2 * seqs * shape.vocab * 4, f"{tokens} tokens, {seqs} seqs"
+        "activations (profiling run)",
+        widest_layer_bytes(shape, tokens, b) + 2 * seqs * shape.vocab * 4,
+        f"{tokens} tokens, {seqs} seqs",
     )
-    plan.add("CUDA context, CUDA graphs, sampler (allowance)", VLLM_RUNTIME_ALLOWANCE)
+    # The gateway always starts vLLM with --enable-lora; vLLM's CPU platform captures no graphs.
+    graphs = count_cuda_graphs(v, seqs, tokens, lora=True) if on_cuda else (0, 0)
+    plan.add(
+        "CUDA graphs (vLLM's estimate)",
+        cuda_graph_bytes(shape, b, graphs, seqs, tokens),
+        f"{sum(graphs)} graphs: each batch size without and with LoRA" if sum(graphs) else "none captured",
+    )
+    plan.add("non-torch workspaces (allowance)", VLLM_RUNTIME_ALLOWANCE)
     kv_b = 1 if (v.kv_cache_dtype or "").startswith("fp8") else b
     per_token = 2 * shape.layers * shape.kv_dim * kv_b
     max_len = v.max_model_len or shape.max_positions or cfg.rollout.max_token_length
-    one_seq = -(-max_len // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * per_token
+    one_seq = blocks(max_len) * per_token
     fixed = plan.total
     if v.kv_cache_memory_bytes is not None:
         kv = v.kv_cache_memory_bytes
@@ -343,10 +365,74 @@ def build_vllm_plan(
         kv = budget - fixed
     else:
         kv, budget = 0, 0
+    kv_tokens = max(kv, 0) // (per_token * VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS  # whole blocks only
     if v.kv_cache_memory_bytes is not None or gpu_bytes is not None:
-        note = f"{max(kv, 0) // per_token} tokens = {max(kv, 0) / one_seq:.1f} x max_model_len {max_len}"
+        note = f"{kv_tokens} tokens = {kv_tokens / blocks(max_len):.1f} x max_model_len {max_len}"
         plan.add("KV cache", kv, note)
-    return plan, {"budget": budget, "kv": kv, "one_sequence": one_seq, "fixed": fixed, "max_len": max_len}
+    plan.add("CUDA context, NCCL (allowance)", VLLM_CONTEXT_ALLOWANCE, "outside the utilization budget")
+    # A step samples groups_per_step x group_size sequences; each holds KV for its prompt and completion, which the
+    # environment caps at rollout.max_token_length (and vLLM at max_model_len): the worst case, prompts unknown here.
+    sequence = min(cfg.rollout.max_token_length, max_len)
+    return plan, {
+        "budget": budget,  # --gpu-memory-utilization x the GPU (or what kv_cache_memory_bytes implies)
+        "share": budget + VLLM_CONTEXT_ALLOWANCE,  # what vLLM holds on its GPU
+        "kv": kv,
+        "kv_tokens": kv_tokens,
+        "one_sequence": one_seq,
+        "fixed": fixed,
+        "max_len": max_len,
+        "graphs": sum(graphs),
+        "step_sequences": cfg.rollout.batch_size,
+        "groups": cfg.rollout.groups_per_step,
+        "group_size": cfg.rollout.group_size,
+        "sequence_tokens": sequence,
+        "sequences_at_once": kv_tokens // blocks(sequence),
+    }
+
+
+def blocks(tokens: int) -> int:
+    """Tokens of KV cache a sequence of `tokens` occupies: vLLM allocates whole blocks."""
+    return -(-tokens // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS
+
+
+def widest_layer_bytes(shape: ModelShape, tokens: int, b: int) -> int:
+    """One decoder layer's widest live tensors in an inference forward over `tokens` tokens."""
+    return tokens * (2 * shape.intermediate + shape.q_dim + 2 * shape.kv_dim + 2 * shape.hidden) * b
+
+
+def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """Batch sizes (tokens) vLLM 0.32 captures CUDA graphs for by default (VllmConfig's capture-size rule, one
+    token per decode step): 1, 2, 4, multiples of 8 below 256 and of 16 from 256, up to min(2 x max_num_seqs, 512,
+    max_num_batched_tokens); plus max_num_batched_tokens and max_num_seqs where they are under that ceiling."""
+    first = min(2 * max_num_seqs, VLLM_MAX_GRAPH_TOKENS)
+    ceiling = min(first, max_num_batched_tokens)
+    sizes = {s for s in (1, 2, 4) if s <= ceiling}
+    sizes |= set(range(8, min(ceiling + 1, 256), 8)) | set(range(256, ceiling + 1, 16))
+    if max_num_batched_tokens <= first:
+        sizes.add(max_num_batched_tokens)
+    if max_num_seqs <= first and max_num_seqs <= max_num_batched_tokens:
+        sizes.add(max_num_seqs)  # the widest uniform decode batch
+    return sorted(sizes)
+
+
+def count_cuda_graphs(v: VLLMSettings, seqs: int, tokens: int, lora: bool) -> tuple[int, int]:
+    """(PIECEWISE, FULL) graphs vLLM 0.32 captures in its default FULL_AND_PIECEWISE mode: mixed batches at every
+    capture size, decode-only batches at those up to max_num_seqs (vllm/v1/cudagraph_dispatcher.py). With LoRA
+    each is captured twice, without and with adapters active (cudagraph_specialize_lora defaults to True)."""
+    if v.enforce_eager:
+        return 0, 0
+    sizes = capture_sizes(seqs, tokens)
+    cases = 2 if lora else 1
+    return len(sizes) * cases, sum(1 for s in sizes if s <= seqs) * cases
+
+
+def cuda_graph_bytes(shape: ModelShape, b: int, graphs: tuple[int, int], seqs: int, tokens: int) -> int:
+    """vLLM's CUDA-graph estimate: the largest capture's activations (graphs share one memory pool, so this is
+    counted once) plus VLLM_GRAPH_BYTES for every other graph of each mode."""
+    if not sum(graphs):
+        return 0
+    largest = capture_sizes(seqs, tokens)[-1]
+    return widest_layer_bytes(shape, largest, b) + VLLM_GRAPH_BYTES * sum(max(n - 1, 0) for n in graphs)
 
 
 @dataclass
@@ -387,7 +473,7 @@ def build_memory_plan(
     facts: dict[str, int] = {}
     shared = 0
     if gateway is not None and cfg.launch.backend == "local":
-        vllm, facts = build_vllm_plan(shape, cfg, VLLMSettings.from_gateway(gateway), gpu_bytes)
+        vllm, facts = build_vllm_plan(shape, cfg, VLLMSettings.from_gateway(gateway), gpu_bytes, on_cuda)
         shared = count_shared_replicas(cfg, gateway)
     return MemoryPlan(shape, trainer, activations, vllm, facts, gpu_bytes, on_cuda, shared)
 
@@ -405,7 +491,7 @@ def check_fit(plan: MemoryPlan, cfg: RunConfig, gateway: dict[str, Any] | None) 
     vllm_share = 0
     if plan.vllm is not None and gateway is not None:
         f, v = plan.vllm_facts, VLLMSettings.from_gateway(gateway)
-        vllm_share = f["budget"]
+        vllm_share = f["share"]
         if v.kv_cache_memory_bytes is None:
             util = v.gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION
             if f["kv"] < f["one_sequence"]:
@@ -422,8 +508,8 @@ def check_fit(plan: MemoryPlan, cfg: RunConfig, gateway: dict[str, Any] | None) 
                 f"inference.vllm.kv_cache_memory_bytes={f['kv']} holds less than one max_model_len={f['max_len']} "
                 f"sequence ({f['one_sequence']} bytes): raise it, or lower inference.vllm.max_model_len"
             )
-        if not plan.shared_replicas and f["budget"] > gpu:
-            problems.append(f"vLLM needs {gib(f['budget'])} on a {gib(gpu)} GPU")
+        if not plan.shared_replicas and f["share"] > gpu:
+            problems.append(f"vLLM needs {gib(f['share'])} on a {gib(gpu)} GPU")
     left = gpu - plan.shared_replicas * vllm_share
     if plan.trainer.total > left:
         where = (
@@ -447,7 +533,7 @@ def trainer_fixes(plan: MemoryPlan, cfg: RunConfig, gateway: dict[str, Any] | No
         "checkpointing_on" if cfg.model.gradient_checkpointing else "checkpointing_off"
     ]
     others = plan.trainer.total - act_now
-    left = gpu - plan.shared_replicas * plan.vllm_facts.get("budget", 0)
+    left = gpu - plan.shared_replicas * plan.vllm_facts.get("share", 0)
     if not cfg.model.gradient_checkpointing:
         verdict = "fits" if others + plan.activations["checkpointing_on"] <= left else "not enough alone"
         fixes.append(
@@ -466,7 +552,9 @@ def trainer_fixes(plan: MemoryPlan, cfg: RunConfig, gateway: dict[str, Any] | No
         )
     v = VLLMSettings.from_gateway(gateway) if gateway is not None else None
     if plan.shared_replicas and v is not None and v.kv_cache_memory_bytes is None:
-        room = (gpu - plan.trainer.total) / gpu / plan.shared_replicas
+        # The utilization share that leaves the trainer its room; each replica's context comes on top.
+        for_budgets = gpu - plan.trainer.total - plan.shared_replicas * VLLM_CONTEXT_ALLOWANCE
+        room = for_budgets / gpu / plan.shared_replicas
         if gpu * room >= plan.vllm_facts["fixed"] + plan.vllm_facts["one_sequence"]:
             fixes.append(f"lower inference.vllm.gpu_memory_utilization to {room:.2f} or less")
     if plan.shared_replicas:
@@ -517,13 +605,27 @@ def format_plan(plan: MemoryPlan, gpu_source: str) -> list[str]:
     elif plan.gpu_bytes is None:
         lines.append("  GPU size unknown (no GPU here): state launch.gpu_memory_gib=80 to check the fit")
     else:
-        vllm = plan.shared_replicas * (plan.vllm_facts.get("budget", 0))
+        vllm = plan.shared_replicas * (plan.vllm_facts.get("share", 0))
         shared = f" + vLLM {gib(vllm)} ({plan.shared_replicas} replica(s) on the same GPU)" if vllm else ""
         lines.append(
             f"  on one {gib(plan.gpu_bytes)} GPU ({gpu_source}): trainer {gib(plan.trainer.total)}{shared} = "
-            f"{gib(plan.trainer.total + vllm)}"
+            f"{gib(plan.trainer.total + vllm)}, {gib(max(plan.gpu_bytes - plan.trainer.total - vllm, 0))} unused"
         )
+    if plan.vllm is not None and any(p.name == "KV cache" for p in plan.vllm.parts):
+        lines.append(format_kv_capacity(plan.vllm_facts))
     return lines
+
+
+def format_kv_capacity(f: dict[str, int]) -> str:
+    """How much sampling the KV cache holds at once: tokens, max_model_len sequences, and a step's sequences at
+    their length limit (the worst case; prompts are shorter than the limit in most environments)."""
+    step = f["step_sequences"]
+    return (
+        f"  vLLM KV cache per replica: {f['kv_tokens']} tokens = {f['kv_tokens'] / blocks(f['max_len']):.1f} "
+        f"sequences of max_model_len {f['max_len']}; a step samples {step} sequences ({f['groups']} groups x "
+        f"{f['group_size']}) of up to {f['sequence_tokens']} tokens (rollout.max_token_length, prompt + "
+        f"completion): {f['sequences_at_once']} fit at once = {f['sequences_at_once'] / step:.2f} step batches"
+    )
 
 
 def load_model_config(path: str) -> dict[str, Any] | None:

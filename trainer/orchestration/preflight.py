@@ -1,14 +1,16 @@
-"""Checks launch.sh runs before starting anything: is the model here (or downloadable), is the Tinker key there,
-does the config fit its GPU (trainer/orchestration/memory_plan.py). Each failure says what is missing and how to
-supply it, within seconds. (The environment checks its own data:
-the launcher runs `python -m environments.NAME preflight`.)"""
+"""Checks launch.sh runs before starting anything: is the model here (else fetch it from the hub), is the Tinker
+key there, does the config fit its GPU (trainer/orchestration/memory_plan.py). Each failure says what is missing
+and how to supply it, within seconds; only the model download itself takes longer. (The environment checks its
+own data: the launcher runs `python -m environments.NAME preflight`.)"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,18 @@ import httpx
 
 from trainer.training.config import ConfigError, RunConfig
 
-HUB_URL = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+HUB_URL = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*"]
+TOKENIZER_FILES = ["tokenizer*", "*.json"]
+# Llama repos also carry Meta's own checkpoint (original/consolidated.00.pth, params.json) and Mistral repos a
+# consolidated.safetensors: second copies of the weights, in formats neither vLLM nor transformers reads here.
+SKIPPED_FILES = ["original/*", "*.pth", "consolidated*"]
 
 
 def hub_reachable(timeout_s: float = 5.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():  # HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, read as the hub library does
         return False
     try:
         httpx.head(HUB_URL, timeout=timeout_s, follow_redirects=True)
@@ -29,36 +38,252 @@ def hub_reachable(timeout_s: float = 5.0) -> bool:
         return False
 
 
-def check_model(path: str, tokenizer_only: bool = False) -> str:
-    """A local folder for the model (building the tiny one if asked), or the hub id when it can be downloaded.
-    With `tokenizer_only` (the Tinker backend, whose weights stay remote) a folder holding a tokenizer is enough."""
+@dataclass(frozen=True)
+class ModelDownload:
+    """A hub model pre-flight will fetch: the files still missing from the cache and their sizes."""
+
+    repo_id: str
+    tokenizer_only: bool
+    files: dict[str, int]
+    cached_files: int
+    cache: Path
+    free_bytes: int
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(self.files.values())
+
+    def summary(self) -> str:
+        cached = f", {self.cached_files} more already cached" if self.cached_files else ""
+        return (
+            f"{self.repo_id}: {gb(self.size_bytes)} in {len(self.files)} files{cached}, into {self.cache} "
+            f"({gb(self.free_bytes)} free there)"
+        )
+
+
+def gb(nbytes: float) -> str:
+    """Decimal units, as the hub shows file sizes (a tokenizer is MBs, a model GBs)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 1e3:.2f} kB"
+
+
+def model_key(path: str, tokenizer_only: bool) -> tuple[str, str]:
+    """How a message names the setting (and the key that replaces it with a folder)."""
+    if tokenizer_only:  # Tinker holds the weights: only the tokenizer is read here
+        return f"the tokenizer of {path!r} (tinker.tokenizer, default model.path)", "tinker.tokenizer"
+    return f"model.path={path!r}", "model.path"
+
+
+def fetch_command(repo_id: str, tokenizer_only: bool) -> str:
+    """The CLI line (huggingface_hub's `hf`) that fetches what pre-flight would, into the same cache."""
+    wanted = TOKENIZER_FILES if tokenizer_only else MODEL_FILES
+    flags = [f'--include "{p}"' for p in wanted] + [f'--exclude "{p}"' for p in SKIPPED_FILES]
+    return f"hf download {repo_id} {' '.join(flags)}"
+
+
+def missing_files(folder: Path, tokenizer_only: bool) -> list[str]:
+    """What a model folder lacks to be served and trained (a cached snapshot may hold config.json alone: the
+    memory plan fetches just that)."""
+    if tokenizer_only:
+        return [] if (folder / "tokenizer_config.json").is_file() else ["tokenizer_config.json"]
+    missing = [] if (folder / "config.json").is_file() else ["config.json"]
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        return missing + [s for s in shards if not (folder / s).is_file()]
+    if not any(folder.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    return missing
+
+
+def cached_model(repo_id: str, tokenizer_only: bool) -> str | None:
+    """The complete snapshot of a hub id in the local Hugging Face cache, or None. Reads only."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        wanted = TOKENIZER_FILES if tokenizer_only else MODEL_FILES
+        folder = snapshot_download(
+            repo_id, local_files_only=True, allow_patterns=wanted, ignore_patterns=SKIPPED_FILES
+        )
+    except Exception:  # not in the cache, or not a repo id (the hub library raises several error types)
+        return None
+    return None if missing_files(Path(folder), tokenizer_only) else str(folder)
+
+
+def find_model(path: str, tokenizer_only: bool = False) -> str | ModelDownload:
+    """A local folder for the model (building the tiny one if asked), or what must be downloaded for it.
+    With `tokenizer_only` (the Tinker backend, whose weights stay remote) a folder holding a tokenizer is enough.
+    Raises ConfigError for what no download can fix: a gated model without access, an unknown id, no disk, no
+    network."""
     what = "tokenizer" if tokenizer_only else "model"
     if path == "tiny":
         from trainer.backends.tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model())
+    where, key = model_key(path, tokenizer_only)
     if Path(path).is_dir():
         needed = "tokenizer_config.json" if tokenizer_only else "config.json"
         if not (Path(path) / needed).is_file():
             raise ConfigError(f"{what} {path!r} is a folder without {needed}: point it at a HF model folder")
         return str(Path(path).resolve())
-    patterns = ["tokenizer*", "*.json"] if tokenizer_only else ["*.json", "*.safetensors", "tokenizer*"]
-    try:
-        from huggingface_hub import snapshot_download
+    if path.startswith(("/", ".", "~")):  # a hub id never starts so: this was meant as a folder
+        raise ConfigError(f"{where}: no such folder; set {key} to a model folder or a hub id (org/name)")
+    cached = cached_model(path, tokenizer_only)
+    if cached is not None:
+        return cached
+    if not hub_reachable():
+        raise ConfigError(
+            f"{where} is not a local folder, is not (complete) in the Hugging Face cache, and the hub ({HUB_URL}) "
+            f"is unreachable. Fetch it where there is network with `{fetch_command(path, tokenizer_only)}` (it "
+            f"fills the Hugging Face cache: copy that, or point HF_HUB_CACHE at it), or set {key}=/path/to/folder"
+        )
+    return plan_download(path, tokenizer_only)
 
-        return str(snapshot_download(path, local_files_only=True, allow_patterns=patterns))
-    except Exception:  # not in the local cache (the hub library raises several error types for this)
-        pass
-    if hub_reachable():
-        return path
-    if tokenizer_only:  # Tinker holds the weights: only the tokenizer is read here
-        where, fix = f"the tokenizer of {path!r} (tinker.tokenizer, default model.path)", "tinker.tokenizer"
-    else:
-        where, fix = f"model.path={path!r}", "model.path"
-    raise ConfigError(
-        f"{where} is not a local folder, is not in the Hugging Face cache, and the hub is unreachable. Download it "
-        f"where there is network (huggingface-cli download {path}) and copy the cache, or set {fix}=/path/to/folder"
+
+def hub_refusal(exc: Exception, repo_id: str, tokenizer_only: bool, gated: bool = False) -> ConfigError:
+    """What to tell the user when the hub refuses a repo (gated, unknown) or does not answer. `gated`: the hub
+    listed the repo as gated, so any 401/403 on it means no access (not only the error typed as such)."""
+    from huggingface_hub import get_token
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        RepositoryNotFoundError,
     )
+
+    where, key = model_key(repo_id, tokenizer_only)
+    denied = (
+        isinstance(exc, HfHubHTTPError)
+        and exc.response is not None
+        and exc.response.status_code in (401, 403)
+    )
+    if isinstance(exc, GatedRepoError) or (gated and denied):  # GatedRepoError is a RepositoryNotFoundError
+        token = (
+            "the token found (HF_TOKEN or `hf auth login`) belongs to an account without access"
+            if get_token()
+            else "no Hugging Face token is set"
+        )
+        return ConfigError(
+            f"{where} is a gated model and {token}. Accept its licence at {HUB_URL}/{repo_id} with your "
+            f"Hugging Face account, then set HF_TOKEN=hf_... (a read token of that account) or run "
+            f"`hf auth login`, and launch again; or set {key}=/path/to/folder holding the model"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return ConfigError(
+            f"{where}: there is no such model on the hub ({HUB_URL}/{repo_id}) and no such folder here. Check the "
+            "id (org/name, as on its hub page); a private model also needs HF_TOKEN"
+        )
+    if isinstance(exc, HFValidationError):
+        return ConfigError(f"{where} is neither a folder here nor a hub model id (org/name): {exc}")
+    return ConfigError(
+        f"{where}: the hub ({HUB_URL}) did not answer for it ({type(exc).__name__}: {exc}). Try again, fetch "
+        f"it with `{fetch_command(repo_id, tokenizer_only)}`, or set {key}=/path/to/folder"
+    )
+
+
+def existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def plan_download(repo_id: str, tokenizer_only: bool) -> ModelDownload:
+    """The files to fetch (the patterns' matches not yet cached) and their size, from the hub's listing; refuses
+    a gated model without access and a download that does not fit the cache's disk. Downloads nothing."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.utils import filter_repo_objects
+
+    api = HfApi()
+    try:
+        info = api.model_info(repo_id, files_metadata=True)
+    except Exception as exc:  # the hub library's errors (gated, unknown, HTTP, network) each get a message
+        raise hub_refusal(exc, repo_id, tokenizer_only) from exc
+    if info.gated:  # the listing is public; the files need a token whose account accepted the licence
+        try:
+            api.auth_check(repo_id)
+        except Exception as exc:
+            raise hub_refusal(exc, repo_id, tokenizer_only, gated=True) from exc
+    wanted = TOKENIZER_FILES if tokenizer_only else MODEL_FILES
+    siblings = list(
+        filter_repo_objects(
+            info.siblings or [],
+            allow_patterns=wanted,
+            ignore_patterns=SKIPPED_FILES,
+            key=lambda s: s.rfilename,
+        )
+    )
+    where, key = model_key(repo_id, tokenizer_only)
+    if not tokenizer_only and not any(s.rfilename.endswith(".safetensors") for s in siblings):
+        listed = sorted(s.rfilename for s in info.siblings or [])[:12]
+        raise ConfigError(
+            f"{where}: the hub holds no safetensors weights for it (files: {listed}); choose a model that ships "
+            f"safetensors, or set {key} to a folder with the model saved as safetensors"
+        )
+    cached = {s.rfilename for s in siblings if isinstance(try_to_load_from_cache(repo_id, s.rfilename), str)}
+    cache = Path(constants.HF_HUB_CACHE)
+    plan = ModelDownload(
+        repo_id=repo_id,
+        tokenizer_only=tokenizer_only,
+        files={s.rfilename: int(s.size or 0) for s in siblings if s.rfilename not in cached},
+        cached_files=len(cached),
+        cache=cache,
+        free_bytes=shutil.disk_usage(existing_parent(cache)).free,
+    )
+    if plan.size_bytes > plan.free_bytes:
+        raise ConfigError(
+            f"{where}: downloading it needs {gb(plan.size_bytes)} ({len(plan.files)} files) in {cache}, but only "
+            f"{gb(plan.free_bytes)} is free there. Free {gb(plan.size_bytes - plan.free_bytes)} or more, point "
+            f"HF_HUB_CACHE (or HF_HOME) at a larger disk, or set {key}=/path/to/folder holding the model"
+        )
+    return plan
+
+
+def download_model(plan: ModelDownload) -> str:
+    """Fetch the planned files into the Hugging Face cache (huggingface_hub draws the progress; an interrupted
+    download continues where it stopped next time) and return the snapshot folder."""
+    from huggingface_hub import snapshot_download
+
+    print(f"model: downloading {plan.summary()}", flush=True)
+    wanted = TOKENIZER_FILES if plan.tokenizer_only else MODEL_FILES
+    try:
+        folder = Path(snapshot_download(plan.repo_id, allow_patterns=wanted, ignore_patterns=SKIPPED_FILES))
+    except Exception as exc:  # gated/unknown get their own message, the rest (network, disk) how to go on
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        if isinstance(exc, RepositoryNotFoundError):
+            raise hub_refusal(exc, plan.repo_id, plan.tokenizer_only) from exc
+        raise ConfigError(
+            f"downloading {plan.repo_id} stopped ({type(exc).__name__}: {exc}). Launch again to continue where "
+            f"it stopped, or fetch it with `{fetch_command(plan.repo_id, plan.tokenizer_only)}`"
+        ) from exc
+    missing = missing_files(folder, plan.tokenizer_only)
+    if missing:
+        raise ConfigError(
+            f"downloaded {plan.repo_id} to {folder}, but it lacks {missing}; it cannot be served"
+        )
+    print(f"model: {plan.repo_id} is in {folder}", flush=True)
+    return str(folder)
+
+
+def check_model(path: str, tokenizer_only: bool = False) -> str:
+    """A local folder for the model: as given, from the Hugging Face cache, or downloaded now. Never a hub id."""
+    found = find_model(path, tokenizer_only)
+    return found if isinstance(found, str) else download_model(found)
+
+
+def describe_model(path: str, tokenizer_only: bool = False) -> str:
+    """One line for a dry run on where the model will come from; downloads and writes nothing."""
+    if path == "tiny":
+        return "model: tiny (the built-in test model, built at the first launch)"
+    try:
+        found = find_model(path, tokenizer_only)
+    except ConfigError as exc:
+        return f"model: a launch would stop here: {exc}"
+    if isinstance(found, ModelDownload):
+        return f"model: not here; a launch first downloads {found.summary()}"
+    return f"model: {found}"
 
 
 def check_tinker() -> list[str]:

@@ -27,7 +27,7 @@ import yaml
 
 from trainer.orchestration.gateway_process import gateway_healthy
 from trainer.orchestration.launcher import gateway_section
-from trainer.orchestration.preflight import check_model
+from trainer.orchestration.preflight import check_model, describe_model
 from trainer.orchestration.processes import die_with_parent, listen, stop_child
 from trainer.training.config import ConfigError, RunConfig, load_config
 from trainer.training.polling import wait_until
@@ -93,18 +93,20 @@ def supervise(
         time.sleep(0.5)
 
 
-def gateway_config(cfg: RunConfig, port: int) -> dict[str, object]:
+def gateway_config(cfg: RunConfig, port: int, model_path: str) -> dict[str, object]:
     """The gateway's section as a run's launcher completes it, with 4 adapters per vLLM batch unless configured."""
     address: dict[str, object] = {"port": port}
     if "max_staleness" not in cfg.inference:  # vLLM's --max-loras is max_staleness + 2
         address["max_staleness"] = 2
-    return gateway_section(cfg, check_model(cfg.model.path), address)
+    return gateway_section(cfg, model_path, address)
 
 
 def dry_run(cfg: RunConfig, service_argv: list[str], log_dir: Path) -> int:
     if cfg.service.sampling and cfg.service.gateway_url is None:
+        # a dry run downloads nothing: the config below shows model.path as given
+        print(f"# {describe_model(cfg.model.path)}")
         print(f"# gateway config ({log_dir / 'gateway.yaml'}; its port is chosen at start)")
-        print(yaml.safe_dump(gateway_config(cfg, 0), sort_keys=False))
+        print(yaml.safe_dump(gateway_config(cfg, 0, cfg.model.path), sort_keys=False))
         print(f"# gateway: {sys.executable} -m inference --config {log_dir / 'gateway.yaml'}")
         service_argv = [*service_argv, "service.gateway_url=http://127.0.0.1:<gateway port>"]
     print("# service: " + " ".join(service_argv))
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.service.sampling and cfg.service.gateway_url is None:
             sock = listen("127.0.0.1")
             url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-            section = gateway_config(cfg, sock.getsockname()[1])
+            # a local folder (downloaded now if need be): the gateway serves folders, never hub ids
+            section = gateway_config(cfg, sock.getsockname()[1], check_model(cfg.model.path))
             gateway_yaml = log_dir / "gateway.yaml"
             gateway_yaml.write_text(yaml.safe_dump(section, sort_keys=False))
             print(f"launch.sh: starting the gateway and vLLM at {url} (logs in {log_dir})", flush=True)

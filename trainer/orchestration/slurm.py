@@ -7,7 +7,8 @@ processes on every node, accounts for them, and kills them all when the job ends
 Layout: run-api, the gateway and its vLLM replicas on the first node; the trainer on the first
 `distributed.nnodes` nodes (torchrun, one rank per GPU); environment workers on the nodes the trainer does not
 use, or on the first node when there are none. Ports are derived from the job id, so two jobs sharing a node do
-not collide and every node can compute them without talking to the others.
+not collide and every node can compute them without talking to the others. GPUs: the gateway and the trainer
+share every GPU the job holds on their nodes; run-api and environment workers take none (see srun_prefix).
 """
 
 from __future__ import annotations
@@ -158,9 +159,48 @@ def plan(cfg: RunConfig, job: SlurmJob) -> Placement:
     return placement
 
 
+# The steps that use GPUs. Every other component (run-api: HTTP and queues; environment workers: prompts, rewards,
+# tokenising) is one Python process that never touches a GPU.
+GPU_STEPS = frozenset({"gateway", "trainer"})
+GPU_FREE_STEP_CPUS = 1
+
+
+def step_resources(name: str) -> list[str]:
+    """srun options for what one component's step may use of the job.
+
+    Every step: --mem=0, i.e. it may use all of the job's memory on its node but reserves none of it, so no step
+    waits for memory another holds (on Slurm < 22.05 --overlap shares CPUs only).
+
+    The gateway and the trainer ask for no GPUs, so they inherit every GPU the job holds on their nodes (srun reads
+    the job's SLURM_GPUS_PER_NODE; slurmctld copies the job's GRES to a step that names none), and --overlap lets
+    the two steps hold the same GPUs at once (Slurm >= 22.05; before, --overlap shared CPUs only and the trainer's
+    step would wait for the gateway's GPU). That is what the memory plan assumes: vLLM and the trainer's first
+    ranks on the first node's GPUs.
+
+    A GPU-free step would otherwise inherit the same request. It names the two GPU options sbatch exports
+    (SLURM_GPUS, SLURM_GPUS_PER_NODE, which srun reads) with a count of 0: an option on the command line
+    overrides its environment variable, a step naming any GPU count no longer inherits the job's GRES, and
+    zero-count GRES are dropped, all the way back to Slurm 21.08 and on clusters without GPU GRES. Not
+    `--gres=none`: before Slurm 23.02.5 srun appends the inherited `gres:gpu:N` to it, and slurmctld refuses
+    the step ("Invalid Trackable RESource (TRES) specification"). Not `--gpus=0` alone: before 24.11 it leaves
+    the inherited --gpus-per-node in place. (A job that asks its GPUs with --gpus-per-task is not covered; the
+    launcher's #SBATCH header uses --gpus-per-node.) --exact with --cpus-per-task limits it to one CPU; with
+    --overlap that CPU stays usable by the other steps too."""
+    if name in GPU_STEPS:
+        return ["--mem=0"]
+    return [
+        "--mem=0",
+        "--exact",
+        f"--cpus-per-task={GPU_FREE_STEP_CPUS}",
+        "--gpus=0",
+        "--gpus-per-node=0",
+    ]
+
+
 def srun_prefix(name: str, hosts: list[str], job_id: int) -> list[str]:
     """An srun step for one component: one task per host, running beside the other steps (--overlap) instead of
-    waiting for their resources, and the whole step torn down if any of its tasks fails."""
+    waiting for their resources, with the GPUs, CPUs and memory of step_resources, and the whole step torn down
+    if any of its tasks fails."""
     return [
         "srun",
         f"--jobid={job_id}",
@@ -168,6 +208,7 @@ def srun_prefix(name: str, hosts: list[str], job_id: int) -> list[str]:
         f"--nodes={len(hosts)}",
         f"--ntasks={len(hosts)}",
         "--ntasks-per-node=1",
+        *step_resources(name),
         f"--nodelist={','.join(hosts)}",
         f"--job-name={name}",
         "--kill-on-bad-exit=1",

@@ -466,3 +466,19 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
             key = ".".join(str(p) for p in err["loc"]) or "<root>"
             lines.append(f"  {key}: {err['msg']}{shown_input(key, err.get('input'))}")
         raise ConfigError(f"invalid config{where}:\n" + "\n".join(lines)) from None
+
+
+def sampler_dtype(cfg: RunConfig, cuda: bool) -> str:
+    """vLLM's --dtype for this run: inference.vllm.dtype, where 'auto' (or unset) follows the trainer's own rule
+    (bfloat16 on CUDA, model.dtype on CPU with float32 for its 'auto'), so both sides compute alike. vLLM's own
+    'auto' would turn a float32 checkpoint into bfloat16 even on CPU. float32 on CUDA is refused: vLLM's CUDA LoRA
+    kernels take only float16/bfloat16 inputs and adapters."""
+    stated = str((cfg.inference.get("vllm") or {}).get("dtype", "auto"))
+    if stated == "auto":
+        return "bfloat16" if cuda else ("float32" if cfg.model.dtype == "auto" else cfg.model.dtype)
+    if cuda and stated in ("float32", "float", "fp32"):
+        raise ConfigError(
+            f"inference.vllm.dtype={stated}: vLLM's CUDA LoRA kernels take only float16/bfloat16 inputs and "
+            "adapters; set inference.vllm.dtype=bfloat16 (or auto: bfloat16 on CUDA, float32 on CPU)"
+        )
+    return stated

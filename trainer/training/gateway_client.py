@@ -12,11 +12,14 @@ from inference.wire import (
     LookupRequest,
     LookupResponse,
     PolicyStatus,
+    ProbeStatistic,
     PublishProbe,
     PublishRequest,
     PublishResponse,
 )
 from trainer.training.retries import Edge, checked
+
+__all__ = ["GatewayClient", "ProbeStatistic", "PublishProbe", "PublishResponse", "verification_failure"]
 
 __all__ = ["ExpectResponse", "GatewayClient", "PublishProbe", "PublishResponse", "verification_failure"]
 

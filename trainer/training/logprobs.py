@@ -61,3 +61,12 @@ def compute_token_logprobs(
     out_N = torch.cat(pieces) if pieces else hidden_BTH.new_zeros(0, dtype=torch.float32)
     out_BT = torch.zeros(B * T, device=hidden_BTH.device, dtype=torch.float32)
     return out_BT.index_copy(0, flat_select, out_N).reshape(B, T)
+
+
+def top_logprobs(logprobs_PV: torch.Tensor, k: int) -> list[dict[int, float]]:
+    """Per row, the k largest logprobs as token id -> logprob (the shape vLLM's top-k answers take)."""
+    top = logprobs_PV.topk(min(k, logprobs_PV.shape[-1]), dim=-1)
+    return [
+        dict(zip(ids.tolist(), lps.tolist(), strict=True))
+        for ids, lps in zip(top.indices, top.values, strict=True)
+    ]

@@ -122,72 +122,78 @@ def check_tensors(folder: Path, rank: int, base: dict[str, tuple[int, int]], max
             )
         raise BackendError(400, f"{folder} has no {ADAPTER_FILE}")
     try:
-        with safe_open(str(weights), framework="pt") as handle:
+        with safe_open(str(weights), framework="pt") as handle:  # checks the file's layout
             names = list(handle.keys())
             if not names:
                 raise BackendError(422, f"{weights} holds no tensors")
+            data_start, layout = read_header(weights)
             modules: dict[str, set[str]] = {}
             for name in names:
                 module, part = split_name(name, weights)
                 expected = expected_shape(module, part, rank, base, name)
                 modules.setdefault(module, set()).add(part)
-                header = handle.get_slice(name)
-                if header.get_dtype() not in DTYPES:
+                if layout[name]["dtype"] not in DTYPES:
                     check_dtype(handle.get_tensor(name), name)  # names the dtype as torch does
-                check_shape(tuple(header.get_shape()), name, expected)
+                check_shape(tuple(layout[name]["shape"]), name, expected)
             halves = [m for m, parts in modules.items() if len(parts) != 2]
             if halves:
                 raise BackendError(
                     422, f"{weights}: modules with only one of lora_A/lora_B: {sorted(halves)[:5]}"
                 )
-        check_all_values(*read_tensors(weights, names), max_abs)
+        check_all_values(read_data(weights, data_start, layout, names), layout, names, max_abs)
     except SafetensorError as exc:
         raise BackendError(400, f"{weights} is not a readable safetensors file: {exc}") from exc
     except (OSError, ValueError) as exc:  # truncated or malformed headers surface as these too
         raise BackendError(400, f"{weights} cannot be read: {exc}") from exc
 
 
-def read_tensors(weights: Path, names: list[str]) -> tuple[Any, list[tuple[str, Any]]]:
-    """The data of a file safetensors has opened, read once, and `names` (its floating-point tensors) as views.
-    Read with plain file reads, not through the memory map: a page fault while the safetensors binding holds the
-    interpreter lock would stall the gateway's event loop for as long as the disk takes."""
+def read_header(weights: Path) -> tuple[int, dict[str, Any]]:
+    """Where the data starts in a file safetensors has opened, and its JSON header (name -> dtype, shape,
+    data_offsets from that start)."""
+    with weights.open("rb") as file:
+        header_len = int.from_bytes(file.read(8), "little")
+        return 8 + header_len, json.loads(file.read(header_len))
+
+
+def read_data(weights: Path, start: int, layout: dict[str, Any], names: list[str]) -> Any:
+    """The tensors' data, read once into one uint8 tensor with plain file reads, not through a memory map: a page
+    fault taken while the safetensors binding holds the interpreter lock would stall the gateway's event loop for
+    as long as the disk takes; a read releases the lock while it waits."""
     import torch
 
+    size = max(int(layout[name]["data_offsets"][1]) for name in names)
+    data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: a bytearray's memset would hold the lock
+    array: Any = data.numpy()  # numpy's stubs do not declare the buffer protocol it has
+    view, got = memoryview(array), 0
     with weights.open("rb", buffering=0) as file:
-        header_len = int.from_bytes(file.read(8), "little")
-        layout = json.loads(file.read(header_len))
-        size = max(int(layout[name]["data_offsets"][1]) for name in names)
-        buffer = torch.empty(size, dtype=torch.uint8)  # not zero-filled: a bytearray's memset holds the lock
-        view, got = memoryview(buffer.numpy()), 0
-        while got < size:  # one read call in practice; the lock is released while it waits on the disk
+        file.seek(start)
+        while got < size:  # one read call in practice
             count = file.readinto(view[got:])
             if not count:
                 raise ValueError(f"the data ends after {got} of {size} bytes")
             got += count
-    tensors = []
+    return data
+
+
+def check_all_values(data: Any, layout: dict[str, Any], names: list[str], max_abs: float) -> None:
+    """Every tensor's values: one pass over all the data when it is one dtype (as PEFT writes it; safetensors
+    leaves no gaps), then tensor by tensor only to name the one at fault, or when dtypes are mixed."""
+    import torch
+
+    dtypes = {layout[name]["dtype"] for name in names}
+    if len(dtypes) == 1:
+        dtype = getattr(torch, TORCH_DTYPES[dtypes.pop()])
+        if data.numel() % dtype.itemsize == 0:
+            largest = peak(data.view(dtype))
+            if math.isfinite(largest) and largest <= max_abs:
+                return
     for name in names:
-        entry = layout[name]
-        dtype = getattr(torch, TORCH_DTYPES[entry["dtype"]])
-        begin, end = (int(x) for x in entry["data_offsets"])
-        raw = buffer[begin:end]
+        dtype = getattr(torch, TORCH_DTYPES[layout[name]["dtype"]])
+        begin, end = (int(x) for x in layout[name]["data_offsets"])
+        raw = data[begin:end]
         if begin % dtype.itemsize:  # another writer's layout may leave a tensor unaligned for its dtype
             raw = raw.clone()
-        tensors.append((name, raw.view(dtype).view(entry["shape"])))
-    return buffer, tensors
-
-
-def check_all_values(data: Any, tensors: list[tuple[str, Any]], max_abs: float) -> None:
-    """Every tensor's values: one pass over the whole data when it is one dtype back to back (as PEFT writes it),
-    then tensor by tensor only to name the one at fault (or when dtypes are mixed)."""
-    dtypes = {tensor.dtype for _, tensor in tensors}
-    if len(dtypes) == 1:
-        dtype = dtypes.pop()
-        if sum(tensor.numel() for _, tensor in tensors) * dtype.itemsize == data.numel():
-            everything = peak(data.view(dtype))
-            if math.isfinite(everything) and everything <= max_abs:
-                return
-    for name, tensor in tensors:
-        check_values(tensor, name, max_abs)
+        check_values(raw.view(dtype), name, max_abs)
 
 
 def split_name(name: str, weights: Path) -> tuple[str, str]:

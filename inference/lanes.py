@@ -5,7 +5,9 @@ the shapes disagree and the engine core dies (RuntimeError in punica_cpu.add_lor
 has size 19 ... previously seen size 39"), taking every in-flight request with it. Alone in its batch, the single
 index broadcasts and the values are right (checked against transformers + PEFT). The wrapper exists whatever the
 adapters target: the engine died the same way serving the base model alone and a q_proj-only adapter. CUDA's
-kernels map logits rows per token (punica_gpu), so there scoring requests share the engine like everything else.
+Triton kernels (punica_gpu) walk only the rows their mapping lists, so nothing there crashes and serialising would
+change nothing: scoring requests share the engine like everything else. (Read statically, they also give only the
+first rows an lm_head adapter's delta, alone or not: to be checked on a GPU.)
 
 So on the CPU platform a request that asks for prompt logprobs waits for in-flight requests to finish and holds new
 ones back while it runs; elsewhere the lane lets everything through.

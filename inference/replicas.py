@@ -159,6 +159,7 @@ class ReplicaSet:
         return result
 
     def validate_adapter(self, path: str) -> None:
+        """Called in a worker thread (the app's publish and named loads): it reads files only."""
         self.replicas[0].validate_adapter(path)
 
     async def load_adapter(self, policy: Policy) -> None:

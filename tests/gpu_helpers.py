@@ -16,9 +16,8 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if (
-    str(ROOT) not in sys.path
-):  # run as torchrun's script, this file's folder is on sys.path, not the repository
+# Run as torchrun's script, this file's folder is on sys.path, not the repository.
+if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from trainer.training.batch import TrainingExample  # noqa: E402
@@ -107,14 +106,13 @@ def run_ranks(out: Path, nproc: int, micro_batch_tokens: int) -> dict[str, Any]:
 
 
 def exact_fp32_matmuls() -> None:
-    """Turn off the TF32 that LocalBackend enables on CUDA: its 10-bit rounding depends on how a batch is cut
-    into shards and micro-batches, so 1 and 2 ranks would differ by far more than the fp32 tolerance compared."""
+    """Undo the TF32 that LocalBackend turns on for cuBLAS on CUDA (the same switch it sets): TF32's 10-bit
+    rounding depends on how a batch is cut into shards and micro-batches, so 1 and 2 ranks would differ by far
+    more than the fp32 tolerance compared."""
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         torch.backends.cuda.matmul.fp32_precision = "ieee"
-        torch.backends.cudnn.conv.fp32_precision = "ieee"
     else:
         torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
 
 
 def rank_main(out: Path, micro_batch_tokens: int) -> None:

@@ -89,6 +89,7 @@ def evict_from_page_cache(folder: str) -> None:
     """Make the next read come from the disk, as for an adapter the trainer wrote on another node."""
     fd = os.open(Path(folder) / ADAPTER_FILE, os.O_RDONLY)
     try:
+        os.fsync(fd)  # pages not yet written back would stay cached
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
@@ -366,3 +367,47 @@ def test_the_one_pass_value_check_names_the_tensor(tmp_path):
         with pytest.raises(BackendError) as err:
             validate_adapter(folder, base, RANK, 1e4)
         assert err.value.status == 422 and name in err.value.message and needle in err.value.message
+
+
+def write_in_order(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """A safetensors file with the tensors in this order, back to back: unlike save_file, which sorts them so
+    that each is aligned for its dtype, another writer may leave one misaligned."""
+    codes = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+    header, blobs, offset = {}, [], 0
+    for name, tensor in tensors:
+        raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        header[name] = {
+            "dtype": codes[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def test_mixed_dtypes_and_a_misaligned_tensor_are_checked_tensor_by_tensor(tmp_path):
+    base = {"model.layers.0.mlp.up_proj": (2, 3)}
+    prefix = "base_model.model.model.layers.0.mlp.up_proj"
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / CONFIG_FILE).write_text(json.dumps({"r": 1}))
+    for where, value, needle in (
+        (None, 0.0, None),
+        ("lora_B", 3e4, "3e+04"),  # float32 at byte 6 of the data: misaligned
+        ("lora_A", float("nan"), "NaN or infinite"),
+    ):
+        a, b = torch.full((1, 3), 0.5, dtype=torch.float16), torch.full((2, 1), -0.25)
+        if where is not None:
+            (a if where == "lora_A" else b)[-1, -1] = value
+        write_in_order(
+            folder / ADAPTER_FILE, [(f"{prefix}.lora_A.weight", a), (f"{prefix}.lora_B.weight", b)]
+        )
+        if needle is None:
+            validate_adapter(str(folder), base, RANK, 1e4)
+            continue
+        with pytest.raises(BackendError) as err:
+            validate_adapter(str(folder), base, RANK, 1e4)
+        assert f"{prefix}.{where}.weight" in err.value.message and needle in err.value.message

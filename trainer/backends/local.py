@@ -12,7 +12,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -353,11 +353,30 @@ class LocalBackend:
         self.model.eval()
         try:
             ids_BT = torch.tensor(prompts, device=self.device)
-            with contextlib.nullcontext() if adapter else self.model.disable_adapter():
+            with self._weights_as_saved() if adapter else self.model.disable_adapter():
                 logits_BV = self.model(input_ids=ids_BT, use_cache=False).logits[:, -1].float()
         finally:
             self.model.train(was_training)
         return torch.log_softmax(logits_BV, dim=-1).cpu()
+
+    @contextlib.contextmanager
+    def _weights_as_saved(self) -> Iterator[None]:
+        """The LoRA weights in trainer.save_dtype meanwhile: the sampler serves the written file and computes the
+        LoRA path in that dtype (PEFT casts a LoRA layer's input to its weights' dtype), so in bf16 the probe
+        scores what vLLM computes, not the fp32 masters; the difference grows with the adapter. Casting is
+        idempotent, so an adapter written meanwhile (the probe runs beside the write) is the same file."""
+        dtype = resolve_dtype(self.cfg.trainer.save_dtype, self.device)
+        if dtype == torch.float32:
+            yield
+            return
+        masters = [p.data for p in self.params]
+        for p in self.params:
+            p.data = p.data.to(dtype)
+        try:
+            yield
+        finally:
+            for p, master in zip(self.params, masters, strict=True):
+                p.data = master
 
     def probe(self, prompts: list[list[int]], top_k: int) -> list[dict[int, float]]:
         """For each prompt, the top-k logprobs of the next token: token id -> logprob."""

@@ -85,6 +85,9 @@ def main(out: Path) -> None:
     reports = gather_objects(report)
     if rank == 0:
         (out / "results.json").write_text(json.dumps(reports))
+    # Both ranks leave together: without this barrier rank 1 hung in its exit (3 runs of 3; a teardown race after
+    # the refused construction, not seen when the launcher's stop ends a run: RankZeroBackend.close then follow).
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 

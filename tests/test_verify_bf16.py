@@ -77,7 +77,9 @@ def test_bf16_versions_pass_and_wrong_adapters_are_refused(bf16_gateway, tmp_pat
     print(json.dumps({"bf16_verify": figures, "noise": outcomes[0].reply.verify_noise}))
     assert all(o.failures == 0 for o in outcomes), figures  # no false refusal
     assert outcomes[0].reply.verify_noise is not None
-    assert all(o.reply.verify_tolerance is not None and o.reply.verify_separation is not None for o in outcomes)
+    assert all(
+        o.reply.verify_tolerance is not None and o.reply.verify_separation is not None for o in outcomes
+    )
     current = client.status().current_version
     assert current == 6
 

@@ -10,6 +10,7 @@ construction, the LoRA weights every rank then holds, and what happens when one 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -85,11 +86,14 @@ def main(out: Path) -> None:
     reports = gather_objects(report)
     if rank == 0:
         (out / "results.json").write_text(json.dumps(reports))
-    # Both ranks leave together: without this barrier rank 1 hung in its exit (3 runs of 3; a teardown race after
-    # the refused construction, not seen when the launcher's stop ends a run: RankZeroBackend.close then follow).
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    # Leave without gloo's teardown: after the refused construction, a rank hung in its exit (3 of 3 runs without a
+    # barrier), and with a barrier and destroy_process_group both ranks still hung now and then (once in CI, once
+    # in ~15 runs here) after the results were gathered and written. What this script checks is done by then; the
+    # trainer's own exits are covered by the fault and launch tests.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -117,7 +117,7 @@ def test_ddp_start_syncs_only_the_adapter_and_refuses_a_different_base(tmp_path)
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=150,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = json.loads((out / "results.json").read_text())

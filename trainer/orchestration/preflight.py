@@ -363,7 +363,7 @@ def plan_memory(
     lines = format_plan(plan, source)
     problems = check_fit(plan, cfg, gateway)
     if probed is not None and not problems:
-        need = plan.trainer.total + plan.shared_replicas * plan.vllm_facts.get("budget", 0)
+        need = plan.trainer.total + plan.shared_replicas * plan.vllm_facts.get("share", 0)
         if need > probed[1]:
             lines.append(
                 f"  warning: only {probed[1] / GiB:.2f} GiB of the GPU is free now (other processes hold the rest); "

@@ -321,9 +321,16 @@ class Gateway:
         tolerance = probe.tolerance
         if noise is not None:
             tolerance = calibrated_tolerance(probe.tolerance, noise, probe.adapter_effect or 0.0)
-        check = compare_probe(
-            probe.top_logprobs, await self._probe_answer(probe, policy), tolerance, probe.statistic
-        )
+        try:
+            served = await self._probe_answer(probe, policy)
+        except BackendError:
+            # vLLM refused or lost the probe itself (e.g. a probe prompt past the context): the version is refused
+            # all the same, and nothing may stay loaded under its name, or its next publish would be "loaded already".
+            if loaded_now:
+                with contextlib.suppress(BackendError):
+                    await self.backend.unload_adapter(policy)
+            raise
+        check = compare_probe(probe.top_logprobs, served, tolerance, probe.statistic)
         check = dataclasses.replace(
             check, separation=separation(probe.top_logprobs, probe.references, tolerance)
         )
@@ -403,7 +410,15 @@ def create_app(
         except BackendError as exc:  # the backend is "failed" now: __main__ stops the gateway
             log.error("the sampling backend did not start: %s", exc.message)
 
-    app = FastAPI(title="RL policy gateway", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json unless asked for: they answer anyone, and the docs page loads from a CDN.
+    docs = cfg.openapi_docs
+    app = FastAPI(
+        title="RL policy gateway",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.gateway = gw
     app.add_middleware(BodyGuard, max_body_bytes=cfg.max_body_bytes, max_json_depth=cfg.max_json_depth)
     # Added last, so outermost: it also sees the refusals the guard answers before any route runs.

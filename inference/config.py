@@ -109,6 +109,10 @@ class GatewayConfig(BaseModel):
     served_model_name: str = Field(
         "policy", description="name of the base model (policy version 0) inside vLLM"
     )
+    openapi_docs: bool = Field(
+        False,
+        description="serve /docs, /redoc and /openapi.json (they answer anyone; the docs page uses a CDN)",
+    )
     host: str = Field("127.0.0.1", description="bind address of the gateway")
     port: int = Field(0, ge=0, lt=65536, description="gateway port; 0 = pick a free one")
     publish_token: str | None = Field(

@@ -465,3 +465,38 @@ async def test_probe_references_must_align_with_the_prompts(tmp_path):
             "/policy/publish", json=publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": probe}
         )
         assert r.status_code == 400 and "references.base" in r.text
+
+
+class ProbeRefusingBackend(NoisyBackend):
+    """vLLM refuses the probe request itself (e.g. a probe prompt past the context)."""
+
+    async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
+        if policy.version > 0:
+            from inference.errors import BackendError
+
+            raise BackendError(400, "This model's maximum context length is 4 tokens")
+        return await super().forward(path, body, policy)
+
+
+async def test_a_refused_probe_unwinds_and_the_version_can_be_published_again(tmp_path):
+    backend = ProbeRefusingBackend(noise=0.0)
+    client, reg = client_for(backend)
+    async with client:
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": mean_probe(1, base=0)}
+        assert (await client.post("/policy/publish", json=body)).status_code >= 400
+        assert reg.current.version == 0 and backend.unloaded == ["policy-v1"]  # nothing left loaded under v1
+        backend.__class__ = NoisyBackend  # vLLM takes the probe now: the same version publishes
+        again = publish_body(1, make_adapter(tmp_path, "a1-again")) | {"probe": mean_probe(1, base=0)}
+        r = await client.post("/policy/publish", json=again)
+        assert r.status_code == 200, r.text
+        assert reg.current.version == 1
+
+
+async def test_openapi_docs_are_off_unless_asked_for():
+    client, _ = client_for(ScriptedBackend())
+    async with client:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert (await client.get(path)).status_code == 404, path
+    client, _ = client_for(ScriptedBackend(), openapi_docs=True)
+    async with client:
+        assert (await client.get("/openapi.json")).status_code == 200

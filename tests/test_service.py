@@ -338,3 +338,11 @@ def test_three_clients_with_different_learning_rates_train_concurrently_as_each_
         assert together[i].keys() == alone[i].keys()
         assert all(torch.equal(together[i][k], alone[i][k]) for k in alone[i]), f"lr {lrs[i]}"
     assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
+
+
+def test_server_capabilities_list_the_base_model(service):
+    """The first call of Tinker's quickstart, through the SDK's RestClient (and the deprecated ServiceClient path)."""
+    url, _ = service
+    rest = tinker.ServiceClient(base_url=url, api_key="tml-local-test").create_rest_client()
+    models = rest.get_server_capabilities().result().supported_models
+    assert [(m.model_name, m.trainable, m.max_context_length) for m in models] == [("tiny", True, 256)]

@@ -110,3 +110,22 @@ def test_launch_service_dry_run_prints_the_gateway_config_and_both_commands():
     assert "http://127.0.0.1:8199" in done.stdout
     bad = subprocess.run([*argv, "--dry-run", "service.prot=1"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "service.prot" in bad.stderr
+    # A publish token given on the command line is never printed, in the gateway's config or the service's command.
+    token = "dry-run-secret-token-0123456789"
+    shown = subprocess.run(
+        [*argv, "--dry-run", f"inference.publish_token={token}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert token not in shown.stdout + shown.stderr and "<hidden>" in shown.stdout
+
+
+def test_the_gateway_config_file_is_private(tmp_path):
+    """It may hold the publish token: readable by the run's user only, as the launcher writes RUN_DIR's files."""
+    from tests.test_launch import ROOT
+    from trainer.orchestration.gateway_process import write_gateway_config
+
+    out = tmp_path / "gateway.yaml"
+    write_gateway_config(
+        str(ROOT / "configs" / "tiny_cpu.yaml"), ["inference.publish_token=" + "t" * 24], out
+    )
+    assert (out.stat().st_mode & 0o777) == 0o600

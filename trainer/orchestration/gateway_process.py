@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from trainer.orchestration.launcher import gateway_section
+from trainer.orchestration.launcher import gateway_section, write_private
 from trainer.orchestration.preflight import check_model
 from trainer.orchestration.processes import stop_child
 from trainer.training.config import RunConfig, load_config
@@ -25,7 +25,7 @@ def write_gateway_config(config: str | None, overrides: list[str], out: Path) ->
     """RUN_DIR-style gateway.yaml from a run config and dotted overrides (`inference.max_staleness=2`)."""
     cfg = load_config(RunConfig, config, overrides)
     section = gateway_section(cfg, check_model(cfg.model.path), {"port": 0})
-    out.write_text(yaml.safe_dump(section, sort_keys=False))
+    write_private(out, yaml.safe_dump(section, sort_keys=False))
     return out
 
 

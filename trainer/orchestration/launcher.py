@@ -185,6 +185,12 @@ def redacted(data: Any) -> Any:
     return data
 
 
+def redacted_override(arg: str) -> str:
+    """A command-line word for printing: a dotted override of a secret (inference.publish_token=...) hidden."""
+    key, sep, value = arg.partition("=")
+    return f"{key}=<hidden>" if sep and value and key.rpartition(".")[2] in SECRET_KEYS else arg
+
+
 def write_private(path: Path, text: str) -> None:
     """Config files hold the publish token: readable by the run's user only."""
     path.touch(mode=0o600, exist_ok=True)

@@ -26,7 +26,7 @@ from types import FrameType
 import yaml
 
 from trainer.orchestration.gateway_process import gateway_healthy
-from trainer.orchestration.launcher import gateway_section
+from trainer.orchestration.launcher import gateway_section, redacted, redacted_override, write_private
 from trainer.orchestration.preflight import check_model, describe_model
 from trainer.orchestration.processes import die_with_parent, listen, stop_child
 from trainer.training.config import ConfigError, RunConfig, load_config
@@ -106,10 +106,10 @@ def dry_run(cfg: RunConfig, service_argv: list[str], log_dir: Path) -> int:
         # a dry run downloads nothing: the config below shows model.path as given
         print(f"# {describe_model(cfg.model.path)}")
         print(f"# gateway config ({log_dir / 'gateway.yaml'}; its port is chosen at start)")
-        print(yaml.safe_dump(gateway_config(cfg, 0, cfg.model.path), sort_keys=False))
+        print(yaml.safe_dump(redacted(gateway_config(cfg, 0, cfg.model.path)), sort_keys=False))
         print(f"# gateway: {sys.executable} -m inference --config {log_dir / 'gateway.yaml'}")
         service_argv = [*service_argv, "service.gateway_url=http://127.0.0.1:<gateway port>"]
-    print("# service: " + " ".join(service_argv))
+    print("# service: " + " ".join(redacted_override(arg) for arg in service_argv))
     print(
         f"# listens on http://{cfg.service.host}:{cfg.service.port}; records under {cfg.service.output_dir}"
     )
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             # a local folder (downloaded now if need be): the gateway serves folders, never hub ids
             section = gateway_config(cfg, sock.getsockname()[1], check_model(cfg.model.path))
             gateway_yaml = log_dir / "gateway.yaml"
-            gateway_yaml.write_text(yaml.safe_dump(section, sort_keys=False))
+            write_private(gateway_yaml, yaml.safe_dump(section, sort_keys=False))
             print(f"launch.sh: starting the gateway and vLLM at {url} (logs in {log_dir})", flush=True)
             procs.gateway = start_gateway(gateway_yaml, sock, log_dir)
             wait_healthy(url, procs.gateway, log_dir)

@@ -537,6 +537,21 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get(f"{api}/get_server_capabilities")
+    async def capabilities() -> dict[str, Any]:
+        # The quickstart's first call (RestClient.get_server_capabilities): the one base this service trains.
+        limits = [cfg.trainer.max_seq_len, (cfg.inference.get("vllm") or {}).get("max_model_len")]
+        return {
+            "supported_models": [
+                {
+                    "model_name": cfg.model.path,
+                    "max_context_length": min(n for n in limits if isinstance(n, int)),
+                    "trainable": True,
+                    "sampleable": cfg.service.sampling,
+                }
+            ]
+        }
+
     @app.post(f"{api}/client/config")
     async def client_config() -> dict[str, Any]:
         return {"use_pyqwest_transport": False}

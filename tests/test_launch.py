@@ -113,6 +113,7 @@ def test_tiny_model_learns_the_toy_task_through_the_whole_stack_in_bf16(tmp_path
         "gateway.log",
         "run-api.log",
         "trainer.log",
+        "vllm-base-lora",  # the all-zero adapter the base model is served through (inference/base_lora.py)
         "vllm.log",
     ]
     assert_nothing_left(run_dir)

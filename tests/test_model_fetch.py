@@ -20,21 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.test_memory_plan import LLAMA_8B  # Llama-3.1-8B's config.json, the keys the plan reads
+
 ROOT = Path(__file__).resolve().parent.parent
 SHA = "0123456789abcdef0123456789abcdef01234567"
-LLAMA_8B = {  # Llama-3.1-8B's config.json, the keys the memory plan reads
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 131072,
-    "torch_dtype": "bfloat16",
-}
 SHARDS = {"model-00001-of-00002.safetensors": b"A" * 3000, "model-00002-of-00002.safetensors": b"B" * 2000}
 WEIGHT_MAP = {
     "weight_map": {

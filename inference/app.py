@@ -28,8 +28,13 @@ from inference.errors import BackendError, Reason, default_reason
 from inference.gate import Gate
 from inference.guard import BodyGuard
 from inference.intake import (
+    STEP_IDS,
+    check_prompt_length,
+    check_sampling_sizes,
     json_object,
+    lookup_request,
     move_stop_ids,
+    off_loop,
     parse_generate,
     resolved_path,
     until_disconnect,
@@ -42,7 +47,6 @@ from inference.probe_check import ProbeCheck, calibrated_tolerance, compare_prob
 from inference.wire import (
     ExpectRequest,
     ExpectResponse,
-    LookupRequest,
     LookupResponse,
     OpenAIBodyLimits,
     PolicyStatus,
@@ -101,6 +105,7 @@ def check_openai_body(gw: Gateway, body: dict[str, Any]) -> None:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
         batch = prompt if isinstance(prompt[0], list) else [prompt]  # one token-id prompt, or several
         for one in batch:
+            check_prompt_length(one, gw.backend.max_model_len, "prompt")
             try:
                 ids = SamplingRequest.model_validate({"prompt_token_ids": one}).prompt_token_ids
             except ValidationError as exc:
@@ -157,7 +162,9 @@ class Gateway:
             )
 
     def validate_tokens(self, ids: list[int], max_tokens: int, field: str) -> None:
-        bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
+        bad = None
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # min/max: C loops, for long prompts
+            bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
         if bad is not None:
             raise BackendError(
                 400, f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
@@ -469,9 +476,8 @@ def sampling_routes(gw: Gateway) -> APIRouter:
 
     @router.post("/generate")
     async def generate(request: Request) -> JSONResponse:
-        dialect, req, moved = parse_generate(await json_object(request))
+        dialect, req, moved = await off_loop(request, checked_generate, gw, await json_object(request))
         gw.note_moved_stop_ids("/generate", moved)
-        gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
         solo = req.sampling.get("prompt_logprobs") is not None
         samples, policy = await gw.run(lambda p: backend.sample(req, p), request, solo, req.n)
         check_prompt_logprobs(req, samples)
@@ -484,6 +490,13 @@ def sampling_routes(gw: Gateway) -> APIRouter:
         return respond(vllm_generate_response(samples, policy.version), policy)
 
     return router
+
+
+def checked_generate(gw: Gateway, body: dict[str, Any]) -> tuple[str, SamplingRequest, list[int]]:
+    """A /generate body parsed and checked against the vocabulary and the context (off the loop when large)."""
+    dialect, req, moved = parse_generate(body, gw.backend.max_model_len)
+    gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
+    return dialect, req, moved
 
 
 def openai_routes(gw: Gateway) -> APIRouter:
@@ -526,8 +539,7 @@ async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse
     body = await json_object(request)
     if body.get("stream"):
         raise BackendError(400, "stream=true is not supported by the gateway; send stream=false")
-    gw.note_moved_stop_ids(path, move_stop_ids(body))
-    check_openai_body(gw, body)
+    gw.note_moved_stop_ids(path, await off_loop(request, checked_openai_body, gw, body))
     body.setdefault("return_token_ids", True)  # lets the ledger record what was sampled
     solo = body.get("prompt_logprobs") is not None or bool(body.get("echo"))  # both score the prompt
     result, policy = await gw.run(
@@ -541,6 +553,14 @@ async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse
     return respond(result, policy)
 
 
+def checked_openai_body(gw: Gateway, body: dict[str, Any]) -> list[int]:
+    """Integer stop entries moved (returned), then the body checked (off the loop when large)."""
+    check_sampling_sizes(body)
+    moved = move_stop_ids(body)
+    check_openai_body(gw, body)
+    return moved
+
+
 def requested_sequences(body: dict[str, Any]) -> int:
     """Completions an OpenAI body asks for: n per prompt (a completions body may hold several prompts)."""
     n = body.get("n")
@@ -548,6 +568,23 @@ def requested_sequences(body: dict[str, Any]) -> int:
     prompt = body.get("prompt")
     prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 1
     return per_prompt * prompts
+
+
+async def look_up(gw: Gateway, sequences: list[list[int]]) -> list[int | None]:
+    """Ledger versions, yielding to the event loop every STEP_IDS token ids hashed (a training batch's lookup
+    hashes millions). A sequence longer than the context was never sampled here: None without hashing it."""
+    context, hashed = gw.backend.max_model_len, 0
+    versions: list[int | None] = []
+    for i, seq in enumerate(sequences):
+        if context is not None and len(seq) > context:
+            versions.append(None)
+            continue
+        versions.append(gw.ledger.lookup(seq))
+        hashed += len(seq)
+        if hashed >= STEP_IDS or i % 1024 == 1023:
+            hashed = 0
+            await asyncio.sleep(0)
+    return versions
 
 
 def policy_routes(gw: Gateway) -> APIRouter:
@@ -586,11 +623,8 @@ def policy_routes(gw: Gateway) -> APIRouter:
 
     @router.post("/policy/lookup")
     async def lookup(request: Request) -> LookupResponse:
-        try:
-            req = LookupRequest.model_validate(await json_object(request))
-        except ValidationError as exc:
-            raise BackendError(400, validation_message(exc)) from exc
-        return LookupResponse(versions=[gw.ledger.lookup(seq) for seq in req.sequences])
+        req = await off_loop(request, lookup_request, await json_object(request))
+        return LookupResponse(versions=await look_up(gw, req.sequences))
 
     @router.get("/policy")
     async def status(request: Request) -> PolicyStatus:

@@ -1,26 +1,48 @@
-"""Request bodies in, validated requests out: JSON objects, both /generate dialects, and the one rewrite the gateway
-makes (integer stop entries become stop_token_ids). It never calls the sampler, picks a policy or logs."""
+"""Request bodies in, validated requests out: JSON objects, both /generate dialects, lookups, and the one rewrite the
+gateway makes (integer stop entries become stop_token_ids). It never calls the sampler, picks a policy or logs.
+
+pydantic validates a whole list in one call that holds the interpreter lock (~50-90 ns a token id), so the lists a
+body may carry are bounded before it runs (a prompt by the model's context, sampling lists by a vocabulary), a
+lookup's sequences are validated a slice at a time, and a large body's validation runs in the body thread
+(off_loop)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from annotated_types import MaxLen
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from inference.errors import BackendError
+from inference.guard import INLINE_BODY_BYTES, PARSED_BODY, ParsedBody, in_body_thread
 from inference.wire import (
     MAX_TOKEN_ID,
+    LookupRequest,
     SamplingParams,
     SamplingRequest,
     SGLangGenerateRequest,
+    TokenId,
     VLLMGenerateRequest,
+)
+
+T = TypeVar("T")
+# Without the model's context (vLLM not up yet, or a Tinker sampler without vllm.max_model_len): no model the
+# gateway serves reads a longer prompt.
+MAX_PROMPT_IDS = 1 << 20
+# Entries of one sampling list (stop, stop_token_ids, bad_words, logit_bias): more than a vocabulary has is no use.
+MAX_SAMPLING_ITEMS = 1 << 18
+SIZED_SAMPLING_KEYS = ("stop", "stop_token_ids", "bad_words", "logit_bias")
+STEP_IDS = 1 << 16  # token ids validated per pydantic call: a few ms
+_TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(list[TokenId])
+MAX_LOOKUP_SEQUENCES = next(
+    m.max_length for m in LookupRequest.model_fields["sequences"].metadata if isinstance(m, MaxLen)
 )
 
 
@@ -34,19 +56,73 @@ def validation_message(exc: ValidationError | RequestValidationError, prefix: st
 
 
 async def json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BackendError(400, f"request body is not valid JSON: {exc}") from exc
+    """The body the guard parsed (inference/guard.py); parsed here only for an app without the guard."""
+    parsed = request.scope.get(PARSED_BODY)
+    if not isinstance(parsed, ParsedBody):
+        try:
+            parsed = ParsedBody(json.loads(await request.body()), None, 0)
+        except (ValueError, UnicodeDecodeError) as exc:
+            parsed = ParsedBody(None, str(exc), 0)
+    if parsed.error is not None:
+        raise BackendError(400, f"request body is not valid JSON: {parsed.error}")
+    body = parsed.value
     if not isinstance(body, dict):
         raise BackendError(400, f"request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
-def parse_generate(body: dict[str, Any]) -> tuple[str, SamplingRequest, list[int]]:
+async def off_loop(request: Request, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), a route's validation of its body: on the event loop for a small body, in the body thread for a
+    large one (pydantic and loops over every token id would stall every other request meanwhile)."""
+    parsed = request.scope.get(PARSED_BODY)
+    if not isinstance(parsed, ParsedBody) or parsed.size <= INLINE_BODY_BYTES:
+        return fn(*args)
+    return await in_body_thread(fn, *args)
+
+
+def check_prompt_length(ids: Any, context: int | None, where: str) -> None:
+    """A prompt longer than the model's context is refused before anything validates it id by id."""
+    if not isinstance(ids, list):
+        return
+    if context is not None and len(ids) > context:
+        raise BackendError(
+            400,
+            f"{where}: {len(ids)} tokens, more than the model's context of {context} tokens; shorten the prompt",
+            reason="prompt_too_long",
+        )
+    if len(ids) > MAX_PROMPT_IDS:
+        raise BackendError(
+            400,
+            f"{where}: {len(ids)} tokens, more than the {MAX_PROMPT_IDS} the gateway takes in one prompt; "
+            "shorten the prompt",
+            reason="prompt_too_long",
+        )
+
+
+def check_sampling_sizes(params: Any, prefix: str = "") -> None:
+    for key in SIZED_SAMPLING_KEYS:
+        value = params.get(key) if isinstance(params, dict) else None
+        if isinstance(value, list | dict) and len(value) > MAX_SAMPLING_ITEMS:
+            raise BackendError(
+                400,
+                f"{prefix}{key}: {len(value)} entries, more than the {MAX_SAMPLING_ITEMS} one request may carry "
+                "(a vocabulary's worth); send fewer",
+            )
+
+
+def parse_generate(
+    body: dict[str, Any], context: int | None = None
+) -> tuple[str, SamplingRequest, list[int]]:
     """Either /generate dialect, every field type- and range-checked, as one SamplingRequest; also the integer
-    stop entries that were moved into stop_token_ids (see move_stop_ids)."""
+    stop entries that were moved into stop_token_ids (see move_stop_ids). A prompt longer than `context` (the
+    model's, when known) is refused first."""
     parsed: VLLMGenerateRequest | SGLangGenerateRequest
+    if "input_ids" in body:
+        check_prompt_length(body["input_ids"], context, "input_ids")
+        check_sampling_sizes(body.get("sampling_params"), "sampling_params.")
+    elif isinstance(body.get("prompt"), dict):
+        check_prompt_length(body["prompt"].get("prompt_token_ids"), context, "prompt.prompt_token_ids")
+        check_sampling_sizes(body)
     try:
         if "input_ids" in body:
             dialect, parsed = "sglang", SGLangGenerateRequest.model_validate(body)
@@ -114,6 +190,45 @@ def move_stop_ids(params: dict[str, Any], prefix: str = "") -> list[int]:
     else:
         del params["stop"]
     return ids
+
+
+def lookup_request(body: dict[str, Any]) -> LookupRequest:
+    """LookupRequest.model_validate(body), its sequences validated STEP_IDS token ids at a time: a trainer's
+    lookup of a large batch holds millions of ids, a second of pydantic in one call."""
+    sequences = body.get("sequences")
+    if not isinstance(sequences, list) or sum(len(s) for s in sequences if isinstance(s, list)) <= STEP_IDS:
+        try:
+            return LookupRequest.model_validate(body)
+        except ValidationError as exc:
+            raise BackendError(400, validation_message(exc)) from exc
+    if len(sequences) > MAX_LOOKUP_SEQUENCES:
+        raise BackendError(
+            400,
+            f"sequences: {len(sequences)} sequences, more than the {MAX_LOOKUP_SEQUENCES} one lookup takes; "
+            "split the lookup",
+        )
+    try:
+        LookupRequest.model_validate({**body, "sequences": []})  # every other key
+    except ValidationError as exc:
+        raise BackendError(400, validation_message(exc)) from exc
+    for i, sequence in enumerate(sequences):
+        check_token_ids(sequence, f"sequences.{i}")
+    return LookupRequest.model_construct(sequences=sequences)
+
+
+def check_token_ids(ids: Any, where: str) -> None:
+    """400 naming the entry unless `ids` is a list of token ids; validated STEP_IDS at a time."""
+    offsets = range(0, len(ids), STEP_IDS) if isinstance(ids, list) else [0]
+    for offset in offsets:
+        try:
+            _TOKEN_IDS.validate_python(ids[offset : offset + STEP_IDS] if isinstance(ids, list) else ids)
+        except ValidationError as exc:
+            parts = []
+            for err in exc.errors():
+                loc = [offset + p if i == 0 and isinstance(p, int) else p for i, p in enumerate(err["loc"])]
+                field = ".".join([where, *map(str, loc)])
+                parts.append(f"{field}: {err['msg']} (got {repr(err.get('input'))[:80]})")
+            raise BackendError(400, "; ".join(parts)) from exc
 
 
 DISCONNECT_POLL_S = 0.25

@@ -17,7 +17,14 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from inference.errors import BackendError
-from inference.intake import json_object, parse_generate, resolved_path, until_disconnect, validation_message
+from inference.intake import (
+    json_object,
+    off_loop,
+    parse_generate,
+    resolved_path,
+    until_disconnect,
+    validation_message,
+)
 from inference.lanes import SoloLane
 from inference.policy import Policy, PolicyRegistry
 from inference.wire import (
@@ -25,6 +32,7 @@ from inference.wire import (
     NamedAdapterLoaded,
     NamedAdapterUnload,
     NamedSampleResponse,
+    SamplingRequest,
 )
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
@@ -146,6 +154,12 @@ def named_routes(gw: Host) -> APIRouter:
                 await backend.unload_adapter(policy)
         return {"name": req.name, "unloaded": policy is not None}
 
+    def checked_generate(body: dict[str, Any]) -> SamplingRequest:
+        """Parsed and checked against the vocabulary and the context (off the loop when large, like /generate)."""
+        _, req, _ = parse_generate(body, backend.max_model_len)
+        gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
+        return req
+
     @router.post("/adapters/generate")
     async def generate(request: Request) -> NamedSampleResponse:
         """/generate's vLLM dialect plus "adapter" (a name; null: the base model) and "prompt_logprobs"."""
@@ -159,8 +173,7 @@ def named_routes(gw: Host) -> APIRouter:
                 "POST /adapters/load, then send the request again",
                 reason="adapter_not_loaded",
             )
-        _, req, _ = parse_generate(body)
-        gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
+        req = await off_loop(request, checked_generate, body)
         if not backend.ready and backend.state in ("failed", "stopped"):
             raise BackendError(503, f"sampling backend is {backend.state}")
         key = adapter or ""

@@ -9,11 +9,14 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import torch
+import uvicorn
 
 from trainer.training.polling import wait_until
 
@@ -187,3 +190,24 @@ if __name__ == "__main__":
         body = roundtrip_through_run_api(url, build_scored_groups(ensure_tiny_model()))
     FIXTURE.write_text(json.dumps(body))
     print(f"wrote {FIXTURE} ({len(body['batch'])} groups)")
+
+
+@contextlib.contextmanager
+def serve_app(app, sock: socket.socket) -> Iterator[str]:
+    """An ASGI app served on `sock` as `python -m inference` serves it (uvicorn's serve() under asyncio.run, the
+    stdlib loop), its event loop in a thread of its own; yields the base URL."""
+    import asyncio
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

@@ -8,11 +8,9 @@ import contextlib
 import importlib.metadata
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import uvicorn
 from safetensors.torch import save_file
 
 from inference import lanes
+from inference.__main__ import listening_socket
 from inference.adapters import ADAPTER_FILE, CONFIG_FILE, validate_adapter
 from inference.app import create_app
 from inference.config import GatewayConfig
@@ -32,6 +30,7 @@ from inference.errors import BackendError
 from inference.lanes import SoloLane, scoring_runs_alone
 from inference.policy import Policy, PolicyRegistry
 from inference.wire import Sample, SamplingRequest
+from tests.helpers import serve_app
 from tests.test_gateway_unit import ScriptedBackend
 
 HEALTH_BUDGET_S = 0.050  # the acceptance bound on a /health answer during a publish
@@ -120,22 +119,8 @@ def served(backend: ScriptedBackend, **cfg: Any) -> Iterator[str]:
     app = create_app(
         gcfg, backend, PolicyRegistry("base", gcfg.max_staleness), vocab_size=100, start_backend=False
     )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serve_app(app, listening_socket(GatewayConfig(model="m", port=0), None)) as url:
+        yield url
 
 
 # Polls /health from a process of its own (as a health probe does), so the measurement competes with the gateway

@@ -6,6 +6,8 @@
   that version (header X-Policy-Version), p50/p95 over --publishes versions;
 - cold restart: a fresh vLLM process (same command line) from spawn to its first completion under the adapter,
   which is what a restart-per-update trainer pays each step;
+- short calls: added latency of the gateway on /health and one-token /generate over kept-alive connections,
+  against vLLM's own /health and one-token completion (--short-rounds each, interleaved);
 - overhead: the same /generate load (n, max_tokens, ignore_eos so every request does identical work) sent
   through the gateway and directly to its vLLM (/v1/completions), interleaved; medians and ratio.
 Prints one JSON object.
@@ -183,6 +185,55 @@ async def measure_overhead(
     }
 
 
+async def measure_short_calls(
+    vllm_key: str, url: str, vllm_url: str, model_name: str, rounds: int
+) -> dict[str, Any]:
+    """Added latency on short calls over one kept-alive connection per side (what Atropos clients hold): /health,
+    and a one-token /generate against vLLM's one-token completion. Interleaved; medians in ms, and their gaps."""
+    prompt = list(range(5, 13))
+    one_token = {"max_tokens": 1, "temperature": 0.0, "n": 1}
+    calls = {
+        "health": (("GET", f"{url}/health", None), ("GET", f"{vllm_url}/health", None)),
+        "generate_1_token": (
+            ("POST", f"{url}/generate", {"prompt": {"prompt_token_ids": prompt}, "logprobs": 0, **one_token}),
+            (
+                "POST",
+                f"{vllm_url}/v1/completions",
+                {
+                    "model": model_name,
+                    "prompt": prompt,
+                    "logprobs": 0,
+                    "return_tokens_as_token_ids": True,
+                    **one_token,
+                },
+            ),
+        ),
+    }
+    result: dict[str, Any] = {"rounds": rounds}
+    async with (
+        httpx.AsyncClient(timeout=60) as gw_http,
+        httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {vllm_key}"}) as vllm_http,
+    ):
+        for name, (gw_call, direct_call) in calls.items():
+            times: dict[str, list[float]] = {"gateway": [], "direct": []}
+            for i in range(rounds + 2):  # the first two rounds warm both connections
+                order = (("gateway", gw_http, gw_call), ("direct", vllm_http, direct_call))
+                for kind, http, (method, target, body) in order if i % 2 == 0 else order[::-1]:
+                    t0 = time.perf_counter()
+                    r = await http.request(method, target, json=body)
+                    r.raise_for_status()
+                    if i >= 2:
+                        times[kind].append(time.perf_counter() - t0)
+            gw, direct = statistics.median(times["gateway"]), statistics.median(times["direct"])
+            result[name] = {
+                "gateway_median_ms": gw * 1e3,
+                "direct_median_ms": direct * 1e3,
+                "added_ms": (gw - direct) * 1e3,
+                "gateway_p95_ms": percentile(times["gateway"], 0.95) * 1e3,
+            }
+    return result
+
+
 async def measure_throughput(
     url: str, requests: int, concurrency: int, n: int, max_tokens: int
 ) -> dict[str, Any]:
@@ -226,6 +277,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--replicas", type=int, default=1, help="vLLM replicas behind the gateway")
     p.add_argument("overrides", nargs="*", help="run config overrides, e.g. inference.vllm.replica_env=...")
+    p.add_argument(
+        "--short-rounds", type=int, default=200, help="kept-alive /health and 1-token calls per path"
+    )
     p.add_argument("--throughput-requests", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=4)
     return p.parse_args(argv)
@@ -251,6 +305,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         overhead = asyncio.run(
             measure_overhead(vllm_key, url, first_replica, current, args.rounds, args.n, args.max_tokens)
         )
+        short = asyncio.run(measure_short_calls(vllm_key, url, first_replica, current, args.short_rounds))
         throughput = asyncio.run(
             measure_throughput(url, args.throughput_requests, args.concurrency, args.n, args.max_tokens)
         )
@@ -258,7 +313,13 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         cold_log = work / "logs" / "cold.log"
         gateway_yaml = work / "logs" / "gateway.yaml"
         restarts = [measure_cold_restart(gateway_yaml, last_adapter, cold_log) for _ in range(args.restarts)]
-    return {"rows": rows, "overhead": overhead, "throughput": throughput, "restarts": restarts}
+    return {
+        "rows": rows,
+        "overhead": overhead,
+        "short_calls": short,
+        "throughput": throughput,
+        "restarts": restarts,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -284,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         if restarts
         else None,
         "overhead": m["overhead"],
+        "short_calls": m["short_calls"],
         "throughput": m["throughput"],
     }
     print(json.dumps(result, indent=2))

@@ -186,7 +186,7 @@ cuda_check_result() {
     return 0
   fi
   echo "[launch.sh] checking that CUDA works with this torch and driver" >&2
-  if ! "$VENV/bin/python" -m trainer.orchestration.cuda_check >&2; then
+  if ! "$VENV/bin/python" -m trainer.backends.cuda_check >&2; then
     echo "[launch.sh] set-up failed: CUDA does not work here (above); fix it, then run bash launch.sh --setup again" >&2
     exit 1
   fi

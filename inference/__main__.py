@@ -3,10 +3,12 @@
     python -m inference --config RUN_DIR/gateway.yaml [key=value ...] [--log-dir DIR] [--port-file F] [--fd N]
 
 Reads the gateway's own config file (the `inference:` section the launcher completes and writes; dotted
-overrides such as `max_staleness=2` on top). The listening socket is bound here (host:port, port 0 = any free
-one, reported through --port-file) or inherited from the launcher (--fd), so no port is ever chosen by one
-process and bound by another. Exits non-zero if vLLM cannot be started or keeps dying; SIGTERM/SIGINT stop
-vLLM too.
+overrides such as `keep_versions=2` on top). A run config (configs/*.yaml) works too: its `inference:` section is
+taken, with `model` and `keep_versions` filled from `model.path` and `rollout.max_staleness`; the rest as written
+(launch.sh also turns a hub id or `tiny` into a folder and vllm.dtype `auto` into the trainer's dtype). The
+listening socket is bound here (host:port, port 0 = any free one, reported through --port-file) or inherited from
+the launcher (--fd), so no port is ever chosen by one process and bound by another. Exits non-zero if vLLM cannot
+be started or keeps dying; SIGTERM/SIGINT stop vLLM too.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import uvicorn
 
 from inference.app import SamplingBackend, create_app
 from inference.config import GatewayConfig, GatewayConfigError, load_gateway_config
-from inference.named import NamedAdapters
-from inference.policy import Policy, PolicyRegistry
-from inference.replicas import ReplicaSet
-from inference.vllm_backend import VLLMBackend, build_vllm_command, free_port
+from inference.http.named import NamedAdapters
+from inference.policy.registry import Policy, PolicyRegistry
+from inference.samplers.replicas import ReplicaSet
+from inference.samplers.vllm import VLLMBackend, build_vllm_command, free_port
 
 # Requests still running when SIGTERM comes get this long before uvicorn cancels them (a request waiting for a
 # vLLM restart would otherwise hold the stop for up to request_timeout_s); then vLLM is stopped. Together well
@@ -44,7 +46,8 @@ def resolve_model(path: str | None) -> tuple[str, int]:
         raise GatewayConfigError(
             f"inference.model={path!r} is not a model folder: the gateway serves a local "
             "folder (launch.sh resolves model.path, the tiny model included, to one, downloading a hub id "
-            "first); started by hand, fetch it with `hf download ID` and pass the folder it prints"
+            "first); started by hand, fetch it with `hf download ID` and pass the folder it prints as "
+            "model=FOLDER, or start from the RUN_DIR/gateway.yaml a launch wrote"
         )
     cfg = AutoConfig.from_pretrained(path)
     return path, int(cfg.get_text_config().vocab_size)
@@ -70,7 +73,7 @@ def listening_socket(cfg: GatewayConfig, fd: int | None) -> socket.socket:
 def build_tinker_sampler(cfg: GatewayConfig) -> tuple[SamplingBackend, int]:
     from transformers import AutoTokenizer
 
-    from inference.tinker_backend import TinkerSamplingBackend, service_factory
+    from inference.samplers.tinker import TinkerSamplingBackend, service_factory
 
     assert cfg.tinker is not None  # GatewayConfig requires it for sampler=tinker
     tokenizer = AutoTokenizer.from_pretrained(cfg.tinker.tokenizer)
@@ -114,7 +117,7 @@ def build_vllm_replicas(
 
 async def serve(args: argparse.Namespace) -> int:
     cfg = load_gateway_config(args.config, args.overrides)
-    registry = PolicyRegistry(cfg.served_model_name, cfg.max_staleness)
+    registry = PolicyRegistry(cfg.served_model_name, cfg.keep_versions)
     named = NamedAdapters()
     log_dir = Path(args.log_dir)
     backend: SamplingBackend
@@ -167,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m inference", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--config", help="the gateway's YAML (RUN_DIR/gateway.yaml: the completed inference: section)"
+        "--config",
+        help="the gateway's YAML (RUN_DIR/gateway.yaml: the completed inference: section), or a run config, whose "
+        "inference: section is taken (model from model.path, which must then be a local folder)",
     )
     p.add_argument("--log-dir", default="logs", help="where vllm.log goes")
     p.add_argument("--port-file", help="write the gateway's port here once bound")
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         help="print the vLLM command this config starts (JSON: argv, env) and exit (benchmarks)",
     )
     p.add_argument(
-        "overrides", nargs="*", help="dotted overrides, e.g. max_staleness=2 or vllm.dtype=float32"
+        "overrides", nargs="*", help="dotted overrides, e.g. keep_versions=2 or vllm.dtype=float32"
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -22,12 +22,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from inference.accounting import LogLimiter, RequestAccounting, RequestStats
 from inference.config import GatewayConfig
 from inference.errors import BackendError, Reason, default_reason
-from inference.gate import Gate
-from inference.guard import BodyGuard
-from inference.intake import (
+from inference.http.accounting import LogLimiter, RequestAccounting, RequestStats
+from inference.http.guard import BodyGuard
+from inference.http.intake import (
     STEP_IDS,
     check_prompt_length,
     check_sampling_sizes,
@@ -40,10 +39,11 @@ from inference.intake import (
     until_disconnect,
     validation_message,
 )
-from inference.lanes import SoloLane, scoring_runs_alone
-from inference.named import NamedAdapters, named_routes
-from inference.policy import Policy, PolicyRegistry, VersionLedger
-from inference.probe_check import ProbeCheck, calibrated_tolerance, compare_probe, separation
+from inference.http.named import NamedAdapters, named_routes
+from inference.policy.gate import Gate
+from inference.policy.probe_check import ProbeCheck, calibrated_tolerance, compare_probe, separation
+from inference.policy.registry import Policy, PolicyRegistry, VersionLedger
+from inference.samplers.lanes import SoloLane, scoring_runs_alone
 from inference.wire import (
     ExpectRequest,
     ExpectResponse,
@@ -131,14 +131,16 @@ class Gateway:
         self.cfg = cfg
         self.backend = backend
         self.registry = registry
-        self.named = named or NamedAdapters()  # the Tinker-protocol service's adapters (inference/named.py)
+        self.named = (
+            named or NamedAdapters()
+        )  # the Tinker-protocol service's adapters (inference/http/named.py)
         self.ledger = VersionLedger(cfg.ledger_size, registry.timeline)
         self.instance = secrets.token_hex(8)  # tells a client this gateway from one restarted since
         self.vocab_size = vocab_size
         self.publish_lock = asyncio.Lock()
         self.cleanup_lock = asyncio.Lock()
         self.lane = SoloLane(scoring_runs_alone(cfg))  # prompt scoring alone in vLLM where it must (lanes.py)
-        # Holds new requests while the trainer publishes the next version (inference/gate.py).
+        # Holds new requests while the trainer publishes the next version (inference/policy/gate.py).
         self.gate = Gate(lambda: registry.in_flight().get(registry.current.version, 0))
         self.stats = RequestStats()
         self.stop_notices = LogLimiter(burst=1, window_s=60.0)  # one INFO line per route and minute
@@ -190,7 +192,7 @@ class Gateway:
     ) -> tuple[Any, Policy]:
         """Run a backend call on the current policy, keeping that policy loaded until the call returns. With the
         client's `request`, the call is cancelled (and vLLM aborts its work) when the client goes away; `solo`
-        runs it alone in the engine (inference/lanes.py)."""
+        runs it alone in the engine (inference/samplers/lanes.py)."""
         if not self.backend.ready and self.backend.state in ("failed", "stopped"):
             raise BackendError(503, f"sampling backend is {self.backend.state}")
         await (self.gate.wait(n) if request is None else until_disconnect(request, self.gate.wait(n)))

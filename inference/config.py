@@ -1,8 +1,13 @@
 """The gateway's configuration: the `inference:` section of a run config, which the launcher completes (model
-folder, sampler) and writes to RUN_DIR/gateway.yaml for `python -m inference`. Pure pydantic apart from `main`,
-which validates a file and prints it with every default filled in (the launcher's check before anything starts).
+folder, versions kept, sampler) and writes to RUN_DIR/gateway.yaml for `python -m inference`. Pure pydantic apart
+from `main`, which validates a file and prints it with every default filled in (the launcher's check before anything
+starts).
 
     python -m inference.config FILE|- [key=value ...]   # prints the validated section as JSON, exit 2 on errors
+
+FILE is the gateway's own file, or a whole run config (configs/*.yaml), whose `inference:` section is taken with
+`model` and `keep_versions` filled from `model.path` and `rollout.max_staleness` when unset (the rest as written:
+the launcher also resolves vllm.dtype 'auto' for the machine and a model hub id to a local folder).
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+from rlcommon.hosts import LOOPBACK_HOSTS
+from rlcommon.overrides import apply_overrides, error_lines, renamed_key
+from rlcommon.slots import DEFAULT_MAX_STALENESS, KEEP_VERSIONS_MEANING, lora_slots
+
 MIN_TOKEN_CHARS = 16  # a publish token off loopback; generated ones are 32 random bytes (43 characters)
 LORA_RANK_CEILINGS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM accepts these for --max-lora-rank
 
@@ -118,7 +126,12 @@ class GatewayConfig(BaseModel):
     publish_token: str | None = Field(
         None, description="bearer token for /policy/publish; required off loopback"
     )
-    max_staleness: int = Field(3, ge=0, description="policy versions behind current that stay loaded")
+    keep_versions: int = Field(
+        DEFAULT_MAX_STALENESS,
+        ge=0,
+        description=f"{KEEP_VERSIONS_MEANING}; launch.sh sets it to rollout.max_staleness unless given, and a "
+        "gateway started by hand defaults to rollout.max_staleness's own default",
+    )
     ledger_size: int = Field(200_000, ge=1, description="completions remembered for /policy/lookup")
     request_timeout_s: float = Field(600.0, gt=0, description="per request to vLLM, seconds")
     max_body_bytes: int = Field(
@@ -157,8 +170,7 @@ class GatewayConfig(BaseModel):
 
     @property
     def max_loras(self) -> int:
-        # The window (max_staleness + 1 versions) plus the version being published before the oldest is unloaded.
-        return self.max_staleness + 2
+        return lora_slots(self.keep_versions)
 
 
 class GatewayConfigError(ValueError):
@@ -166,9 +178,45 @@ class GatewayConfigError(ValueError):
     the publish token."""
 
 
+# Keys of this section that were renamed: the old name is refused with the new one.
+RENAMED_KEYS = {"max_staleness": "keep_versions"}
+# Keys only a whole run config has at its top (its `model:` is a section too; the gateway's own is a folder).
+RUN_SECTIONS = ("inference", "rollout", "trainer", "lora", "optim", "loss", "launch")
+
+
+def is_run_config(data: dict[str, Any]) -> bool:
+    return isinstance(data.get("model"), dict) or any(key in data for key in RUN_SECTIONS)
+
+
+def section_of_run_config(run: dict[str, Any]) -> dict[str, Any]:
+    """A whole run config given where the gateway's own file was expected: its `inference:` section, with what the
+    gateway can complete alone filled in as the launcher would (the model from model.path, the versions kept from
+    rollout.max_staleness)."""
+    section = run.get("inference") or {}
+    if not isinstance(section, dict):
+        raise GatewayConfigError(f"inference: must be a mapping, got {type(section).__name__}")
+    section = dict(section)
+    model, rollout = run.get("model") or {}, run.get("rollout") or {}
+    if isinstance(model, dict) and "path" in model:
+        section.setdefault("model", model["path"])
+    if isinstance(rollout, dict) and "max_staleness" in rollout:
+        section.setdefault("keep_versions", rollout["max_staleness"])
+    return section
+
+
+def refuse_renamed(data: dict[str, Any], where: str, fix: str) -> None:
+    """One line naming the new key for an old one (`fix` may name it as {new})."""
+    old = renamed_key(data, RENAMED_KEYS)
+    if old is not None:
+        new = RENAMED_KEYS[old]
+        raise GatewayConfigError(
+            f"inference.{old}{where} is now inference.{new} ({KEEP_VERSIONS_MEANING}); {fix.format(new=new)}"
+        )
+
+
 def load_gateway_config(path: str | Path | None, overrides: list[str] | None = None) -> GatewayConfig:
-    """Read a gateway YAML (the section itself, not a whole run config), apply dotted overrides
-    (`max_staleness=2` or `vllm.dtype=float32`), validate."""
+    """Read a gateway YAML (the section itself, or a whole run config: see section_of_run_config), apply dotted
+    overrides (`keep_versions=2` or `vllm.dtype=float32`, `inference.` in front allowed), validate."""
     if path is None:
         data: Any = {}
     else:
@@ -177,32 +225,17 @@ def load_gateway_config(path: str | Path | None, overrides: list[str] | None = N
         data = {}
     if not isinstance(data, dict):
         raise GatewayConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    for text in overrides or []:
-        key, sep, raw = text.partition("=")
-        if not sep:
-            raise GatewayConfigError(f"override {text!r} is not key=value (e.g. max_staleness=2)")
-        *parents, leaf = key.strip().removeprefix("inference.").split(".")
-        node = data
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise GatewayConfigError(f"override {text!r}: {part!r} is a value, not a section")
-        node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+    if is_run_config(data):
+        data = section_of_run_config(data)
+    where = f" in {path}" if path else ""
+    refuse_renamed(data, where, "write {new}: N there")
+    apply_overrides(data, overrides or [], "keep_versions=2", GatewayConfigError, drop_prefix="inference.")
+    refuse_renamed(data, " (on the command line)", "pass {new}=N")
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            key = ".".join(str(p) for p in err["loc"])
-            seen = "<hidden>" if "token" in key or "api_key" in key else repr(err.get("input"))
-            if (
-                not key
-            ):  # a model-level error: its input is the whole section (token included), never print it
-                key, seen = "<section>", "see message"
-            lines.append(f"  inference.{key}: {err['msg']} (got {seen})")
-        raise GatewayConfigError(
-            f"invalid gateway config{f' in {path}' if path else ''}:\n" + "\n".join(lines)
-        ) from None
+        lines = error_lines(exc.errors(), prefix="inference.")
+        raise GatewayConfigError(f"invalid gateway config{where}:\n" + "\n".join(lines)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

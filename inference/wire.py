@@ -223,7 +223,7 @@ ProbeReferenceName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
 
 class PublishProbe(BaseModel):
     """A few fixed prompts and, for each, the trainer's own top-k logprobs of the next token (token id -> logprob).
-    inference/probe_check.py says how they are compared."""
+    inference/policy/probe_check.py says how they are compared."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -315,7 +315,7 @@ class PublishResponse(BaseModel):
     held_requests: int = 0
     # The probe check (null without a probe): largest and mean |vLLM - trainer| logprob over the compared
     # positions, the tolerance applied to the probe's statistic (calibrated for `mean`), the base model's own
-    # mean difference that calibrated it, and how far the wrong candidates sat (inference/probe_check.py).
+    # mean difference that calibrated it, and how far the wrong candidates sat (inference/policy/probe_check.py).
     verify_max_abs_diff: float | None = None
     verify_mean_abs_diff: float | None = None
     verify_tolerance: float | None = None
@@ -348,11 +348,14 @@ class ExpectResponse(BaseModel):
     held_requests: int = 0
 
 
+MAX_LOOKUP_SEQUENCES = 1_000_000  # a trainer's batch asks about far fewer
+
+
 class LookupRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sequences: list[list[TokenId]] = Field(
-        max_length=1_000_000, description="prompt + completion token ids, as in run-api's `tokens`"
+        max_length=MAX_LOOKUP_SEQUENCES, description="prompt + completion token ids, as in run-api's `tokens`"
     )
 
 
@@ -380,7 +383,7 @@ class PolicyStatus(BaseModel):
     rejected_total: int = 0
     rejected_by_reason: dict[str, int] = Field(default_factory=dict)
     last_rejection: str | None = None  # "<UTC time> <route> <status> <reason>: <message, 300 chars at most>"
-    # The on-policy gate (inference/gate.py): the version new requests wait for (null: open), requests waiting
+    # The on-policy gate (inference/policy/gate.py): the version new requests wait for (null: open), requests waiting
     # now, requests ever held, and closings that ended at their deadline (no publish came).
     gate_waiting_for: int | None = None
     gate_holding: int = 0
@@ -390,7 +393,7 @@ class PolicyStatus(BaseModel):
 
 
 class NamedAdapterLoad(BaseModel):
-    """POST /adapters/load: serve the PEFT folder `adapter_path` under `name` (inference/named.py)."""
+    """POST /adapters/load: serve the PEFT folder `adapter_path` under `name` (inference/http/named.py)."""
 
     model_config = ConfigDict(extra="forbid")
     name: str

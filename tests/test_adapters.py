@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference.adapters import ADAPTER_FILE, CONFIG_FILE, base_linear_shapes, validate_adapter
 from inference.errors import BackendError
+from inference.policy.adapters import ADAPTER_FILE, CONFIG_FILE, base_linear_shapes, validate_adapter
 
 
 @pytest.fixture(scope="module")

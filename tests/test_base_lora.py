@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from inference.adapters import ADAPTER_FILE, base_linear_shapes, validate_adapter
-from inference.base_lora import BASE_LORA_NAME, RANK, save_zero_adapter, zero_module
 from inference.config import GatewayConfig
 from inference.errors import BackendError
-from inference.policy import Policy
-from inference.vllm_backend import VLLMBackend
+from inference.policy.adapters import ADAPTER_FILE, base_linear_shapes, validate_adapter
+from inference.policy.registry import Policy
+from inference.samplers.base_lora import BASE_LORA_NAME, RANK, save_zero_adapter, zero_module
+from inference.samplers.vllm import VLLMBackend
 from inference.wire import SamplingRequest
 
 BASE = Policy(0, "policy", None)

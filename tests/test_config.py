@@ -24,7 +24,7 @@ def test_every_config_file_validates_for_every_process(path):
     assert path.suffix == ".yaml", f"{path.name}: configs/ holds run configs (*.yaml) only"
     cfg = load_config(RunConfig, path)
     section = gateway_section(cfg, "/model")
-    assert section["max_staleness"] >= cfg.rollout.max_staleness
+    assert section["keep_versions"] >= cfg.rollout.max_staleness
     assert resolve_env_module(cfg.rollout.env)
 
 
@@ -98,3 +98,25 @@ def test_grpo_normalises_by_std_unless_told_otherwise():
         load_config(RunConfig, None, ["loss.name=grpo", "advantage.normalize_std=false"]).normalize_std()
         is False
     )
+
+
+def test_the_old_gateway_window_key_is_refused_naming_the_new_one(tmp_path):
+    """inference.max_staleness (the versions the gateway keeps loaded) is inference.keep_versions now: one line names
+    it, from a file, an override, or a RunConfig built in code."""
+    for where, args in (
+        ("", (None, ["inference.max_staleness=2"])),
+        (" in ", (tmp_path / "old.yaml", [])),
+    ):
+        (tmp_path / "old.yaml").write_text("inference:\n  max_staleness: 2\n")
+        with pytest.raises(ConfigError) as err:
+            load_config(RunConfig, *args)
+        message = str(err.value)
+        assert "\n" not in message and message.startswith(f"inference.max_staleness{where}")
+        assert "is now inference.keep_versions (policy versions behind the current one that stay" in message
+    with pytest.raises(ValueError, match=r"is now inference\.keep_versions"):
+        RunConfig(inference={"max_staleness": 2})
+    # Unset, it follows the trainer's window; set, it may keep more but never fewer.
+    cfg = load_config(RunConfig, None, ["rollout.max_staleness=1"])
+    assert gateway_section(cfg, "/model")["keep_versions"] == 1
+    wider = load_config(RunConfig, None, ["rollout.max_staleness=1", "inference.keep_versions=4"])
+    assert gateway_section(wider, "/model")["keep_versions"] == 4

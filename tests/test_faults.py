@@ -3,8 +3,8 @@ trainer) broken on purpose, once per fault kind, each after the run has made pro
 must finish its steps by itself, learn, record every restart, and leave no process behind.
 
 Crash states on disk (a kill during an adapter save, between a checkpoint's rename and `latest`) are built exactly
-in tests/test_checkpoints.py, and a full disk in tests/test_disk_full.py: a kill at those instants cannot be timed
-from outside the process."""
+in tests/test_checkpoints.py, and a full disk in tests/test_disk_full.py; in the run here the trainer kills itself at
+those two instants (failpoints), since a kill there cannot be timed from outside the process."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import time
 
 import pytest
 
+from benchmarks.chaos import Fault, Injected, LiveRun, inject
 from tests.helpers import assert_learned, group_alive
 from tests.test_launch import ROOT, assert_nothing_left, launch_cmd, read_metrics
-from trainer.orchestration.chaos import Fault, Injected, LiveRun, inject
 from trainer.training.checkpoints import FAILPOINT_ENV
 from trainer.training.polling import wait_until
 
@@ -41,17 +41,29 @@ def rows_since(run: LiveRun, t_unix: float) -> int:
 
 
 def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
+    """First the trainer SIGKILLs itself (RL_FAILPOINTS, once each) halfway through writing adapter v1, and between
+    renaming checkpoint step-5 into place and moving `latest`: the restarted trainer sweeps the half-written adapter
+    and sets the orphan checkpoint aside. Then every fault of SCHEDULE, each once the run has made two steps since the
+    last. (One run for what were two tests: each launch pays a vLLM start.)"""
     run_dir = tmp_path / "run"
+    adapter_marker, ckpt_marker = tmp_path / "adapter-save.fired", tmp_path / "checkpoint-renamed.fired"
+    env = {**os.environ, FAILPOINT_ENV: f"adapter-save:{adapter_marker},checkpoint-renamed:{ckpt_marker}"}
     cmd = launch_cmd(
         run_dir, f"rollout.num_steps={STEPS}", f"optim.total_steps={STEPS}", "trainer.checkpoint_every=5"
     )
     log = (tmp_path / "launch.log").open("w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     run = LiveRun(run_dir)
     injected: list[Injected] = []
     orphans: list[int | None] = []
     try:
-        since = 0.0
+
+        def failpoints_fired() -> bool:
+            assert proc.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
+            return adapter_marker.exists() and ckpt_marker.exists()
+
+        wait_until(failpoints_fired, 600, "both failpoints fired", 0.5)
+        since = time.time()
         for fault in SCHEDULE:
 
             def progressed(after: float = since) -> bool:
@@ -75,10 +87,12 @@ def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
     # A step whose every rollout was dropped (e.g. sampled by the base model of a restarted gateway) has no reward.
     assert_learned([r["reward/mean"] for r in rows if r["reward/mean"] is not None])
     last = rows[-1]
-    assert last["faults/restarts_trainer"] == 1 and last["faults/restarts_run_api"] == 1
+    assert (
+        last["faults/restarts_trainer"] == 3 and last["faults/restarts_run_api"] == 1
+    )  # trainer: 2 failpoints
     assert last["faults/restarts_gateway"] == 1 and last["faults/restarts_env"] >= 1
     assert last["faults/restarts_vllm"] >= 2  # the API server and the engine core
-    assert out.count("restarting it") == 4 and out.count("the gateway restarted vLLM") >= 2
+    assert out.count("restarting it") == 6 and out.count("the gateway restarted vLLM") >= 2
     assert "gave the restarted gateway version" in out
     # Nothing trained outside the staleness window, and nothing trained under a version that did not sample it: a
     # step whose every sequence is attributed to the trainer's own version must see the sampler's logprobs exactly
@@ -98,29 +112,11 @@ def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
         and not r["rollouts/kept_unknown_version"]
     ]
     assert len(on_policy) >= 2 and max(on_policy) < 1e-6, on_policy
-    assert_nothing_left(run_dir)
-    assert orphans and all(pid is not None and not group_alive(pid) for pid in orphans), orphans
-
-
-def test_trainer_killed_inside_an_adapter_save_and_before_latest_moves(tmp_path):
-    """The trainer SIGKILLs itself (RL_FAILPOINTS, once each) halfway through writing adapter v1, and between
-    renaming checkpoint step-5 into place and moving `latest`: the restarted trainer sweeps the half-written adapter,
-    sets the orphan checkpoint aside, and the run finishes every step."""
-    run_dir = tmp_path / "run"
-    adapter_marker, ckpt_marker = tmp_path / "adapter-save.fired", tmp_path / "checkpoint-renamed.fired"
-    env = {**os.environ, FAILPOINT_ENV: f"adapter-save:{adapter_marker},checkpoint-renamed:{ckpt_marker}"}
-    cmd = launch_cmd(run_dir, "rollout.num_steps=12", "trainer.checkpoint_every=5")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert adapter_marker.exists() and ckpt_marker.exists(), "both failpoints fired"
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 13))
-    assert rows[-1]["faults/restarts_trainer"] == 2
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "removed an interrupted write" in trainer_log and ".v000001.tmp-" in trainer_log
     (aside,) = (run_dir / "checkpoints").glob("discarded-*")
     assert [p.name for p in aside.iterdir()] == ["step-000005"]  # the orphan: folder without loop state
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step-000012"  # the final checkpoint
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{STEPS:06d}"  # the final checkpoint
     assert not list(run_dir.rglob(".*.tmp-*"))
     assert_nothing_left(run_dir)
+    assert orphans and all(pid is not None and not group_alive(pid) for pid in orphans), orphans

@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from inference.gate import Gate
-from inference.policy import Policy
-from inference.probe_check import compare_probe
+from inference.policy.gate import Gate
+from inference.policy.probe_check import compare_probe
+from inference.policy.registry import Policy
 from tests.test_gateway_unit import ScriptedBackend, client_for, make_adapter, publish_body
 from trainer.training.publishing import FLOAT32_TOLERANCE, LOW_PRECISION_TOLERANCE
 

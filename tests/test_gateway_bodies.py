@@ -18,12 +18,12 @@ from typing import Any
 import httpx
 import pytest
 
-from inference import stepjson
 from inference.__main__ import listening_socket
 from inference.app import create_app
 from inference.config import GatewayConfig
-from inference.guard import find_unsafe_value, json_depth
-from inference.policy import PolicyRegistry
+from inference.http import stepjson
+from inference.http.guard import find_unsafe_value, json_depth
+from inference.policy.registry import PolicyRegistry
 from tests.helpers import serve_app
 from tests.test_gateway_offloop import POLLER
 from tests.test_gateway_unit import ScriptedBackend, client_for
@@ -54,7 +54,7 @@ import uvicorn
 from inference.__main__ import listening_socket
 from inference.app import create_app
 from inference.config import GatewayConfig
-from inference.policy import PolicyRegistry
+from inference.policy.registry import PolicyRegistry
 from tests.test_gateway_unit import ScriptedBackend
 
 cfg = GatewayConfig(model="m")

@@ -24,11 +24,11 @@ from typing import Any
 import httpx
 import pytest
 
-from inference import vllm_backend
 from inference.config import GatewayConfig
 from inference.errors import BackendError
-from inference.policy import Policy
-from inference.vllm_backend import VLLMBackend
+from inference.policy.registry import Policy
+from inference.samplers import vllm as vllm_backend
+from inference.samplers.vllm import VLLMBackend
 from inference.wire import SamplingRequest
 from tests.helpers import group_alive
 from trainer.training.polling import wait_until
@@ -226,13 +226,13 @@ async def test_a_vllm_that_stops_answering_health_is_restarted(supervised):
 
 @pytest.fixture(scope="module")
 def own_gateway(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
-    """A gateway of this module's own (max_staleness 1): these tests kill its vLLM."""
+    """A gateway of this module's own (keep_versions 1): these tests kill its vLLM."""
     pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
     from trainer.orchestration.gateway_process import spawn_gateway
 
     log_dir = tmp_path_factory.mktemp("heal-gateway")
     with spawn_gateway(
-        str(ROOT / "configs" / "tiny_cpu.yaml"), ["inference.max_staleness=1"], log_dir, timeout_s=300
+        str(ROOT / "configs" / "tiny_cpu.yaml"), ["inference.keep_versions=1"], log_dir, timeout_s=300
     ) as (url, proc):
         yield url, proc, log_dir
 
@@ -287,7 +287,7 @@ def publish(url: str, version: int, path: str, replace_newer: bool = False) -> d
 
 def engine_pid(api_pid: int) -> int:
     """vLLM's engine core: the API server's child that runs EngineCore (its comm is cut to 15 characters)."""
-    from trainer.orchestration.chaos import children, command_line
+    from benchmarks.chaos import children, command_line
 
     for child in children(api_pid):
         comm = Path(f"/proc/{child}/comm").read_text().strip()
@@ -442,3 +442,15 @@ def test_sigterm_during_vllm_start_up_exits_in_time(tmp_path, delay_s):
     print(f"SIGTERM {delay_s:.0f}s into vLLM's start-up: the gateway exited after {took:.1f}s")
     assert took < 20
     assert not group_alive(vllm_pid), "vLLM outlived the gateway"
+
+
+@pytest.mark.slow
+def test_sigterm_of_gateway_stops_vllm(own_gateway):
+    """Stop the module's gateway as launch.sh would (its last test, on the gateway the others used) and check that no
+    vLLM process of it survives."""
+    url, proc, _ = own_gateway
+    pid = status(url)["backend_pid"]
+    assert pid is not None
+    proc.terminate()
+    proc.wait(timeout=60)
+    wait_until(lambda: not group_alive(pid), 30, "vLLM's process group gone", 0.2)

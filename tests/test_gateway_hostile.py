@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from inference.guard import check_json_body, find_unsafe_value, json_depth
+from inference.http.guard import check_json_body, find_unsafe_value, json_depth
 from tests.test_gateway_unit import ScriptedBackend, client_for, make_adapter
 
 # (route, raw body, status, what the message must name). Raw bytes: some are not what json.dumps would write.
@@ -147,7 +147,7 @@ async def test_policy_status_hides_the_sampler_from_strangers():
 async def test_an_abandoned_request_is_cancelled_and_frees_the_sampler():
     """A client that goes away: its sampler call is cancelled (for vLLM: the connection closes, and vLLM aborts
     the generation), so it holds nothing for the next caller."""
-    from inference.intake import until_disconnect
+    from inference.http.intake import until_disconnect
 
     class GoneRequest:
         async def is_disconnected(self) -> bool:

@@ -10,13 +10,13 @@ from typing import Any
 import httpx
 import pytest
 
-from inference.accounting import LogLimiter
 from inference.app import Gateway, create_app
 from inference.config import GatewayConfig
 from inference.errors import BackendError
-from inference.intake import move_stop_ids
-from inference.policy import Policy, PolicyRegistry
-from inference.vllm_backend import parse_completion_choices
+from inference.http.accounting import LogLimiter
+from inference.http.intake import move_stop_ids
+from inference.policy.registry import Policy, PolicyRegistry
+from inference.samplers.vllm import parse_completion_choices
 from inference.wire import PolicyStatus, Sample, SamplingRequest
 from tests.test_gateway_unit import ScriptedBackend
 

@@ -21,14 +21,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inference import lanes
 from inference.__main__ import listening_socket
-from inference.adapters import ADAPTER_FILE, CONFIG_FILE, validate_adapter
 from inference.app import create_app
 from inference.config import GatewayConfig
 from inference.errors import BackendError
-from inference.lanes import SoloLane, scoring_runs_alone
-from inference.policy import Policy, PolicyRegistry
+from inference.policy.adapters import ADAPTER_FILE, CONFIG_FILE, validate_adapter
+from inference.policy.registry import Policy, PolicyRegistry
+from inference.samplers import lanes
+from inference.samplers.lanes import SoloLane, scoring_runs_alone
 from inference.wire import Sample, SamplingRequest
 from tests.helpers import serve_app
 from tests.test_gateway_unit import ScriptedBackend
@@ -117,7 +117,7 @@ def served(backend: ScriptedBackend, **cfg: Any) -> Iterator[str]:
     """The gateway app over a real socket, its event loop in a thread of its own (as `python -m inference`)."""
     gcfg = GatewayConfig(model="m", publish_token=TOKEN, **cfg)
     app = create_app(
-        gcfg, backend, PolicyRegistry("base", gcfg.max_staleness), vocab_size=100, start_backend=False
+        gcfg, backend, PolicyRegistry("base", gcfg.keep_versions), vocab_size=100, start_backend=False
     )
     with serve_app(app, listening_socket(GatewayConfig(model="m", port=0), None)) as url:
         yield url

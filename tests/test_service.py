@@ -242,7 +242,7 @@ def test_closing_a_session_releases_its_clients(service):
 def test_sampler_weights_pass_the_gateways_adapter_check(service, tiny_model_path):
     """save_weights_for_sampler writes a PEFT folder that the gateway's pre-load check (what runs before vLLM loads
     an adapter) accepts, lm_head included."""
-    from inference.adapters import base_linear_shapes, validate_adapter
+    from inference.policy.adapters import base_linear_shapes, validate_adapter
 
     url, out = service
     tc = client(url).create_lora_training_client(base_model="tiny", rank=8).result()

@@ -284,7 +284,7 @@ def test_a_cookbook_rl_loop_learns_the_toy_task(launched):
     folder = out / safe_name(tc.model_id)
     assert len(list((folder / "sampler_weights").glob("snapshot-*"))) <= KEPT
     printed = subprocess.run(
-        [sys.executable, "-m", "trainer.summary", str(folder)], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "trainer", "summary", str(folder)], capture_output=True, text=True, check=True
     )
     record = json.loads(printed.stdout)[str(folder)]
     assert record["optim_steps"] == len(rewards) and record["calls"]["sample"] == 8 * len(rewards)

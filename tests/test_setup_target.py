@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.backends import cuda_check
 from trainer.backends.local import resolve_device
-from trainer.orchestration import cuda_check
 from trainer.training.config import RunConfig, load_config
 
 ROOT = Path(__file__).parent.parent

@@ -20,8 +20,8 @@ tinker = pytest.importorskip("tinker", reason="the tinker extra is not installed
 
 from inference.app import create_app  # noqa: E402
 from inference.config import GatewayConfig  # noqa: E402
-from inference.policy import PolicyRegistry  # noqa: E402
-from inference.tinker_backend import TinkerSamplingBackend  # noqa: E402
+from inference.policy.registry import PolicyRegistry  # noqa: E402
+from inference.samplers.tinker import TinkerSamplingBackend  # noqa: E402
 from tests.fake_tinker import make_service_client  # noqa: E402
 from tests.helpers import FIXTURE  # noqa: E402
 from trainer.backends.tinker import TinkerBackend, wait  # noqa: E402
@@ -253,13 +253,13 @@ class Block:
 sys.meta_path.insert(0, Block())
 import json
 from trainer.training.config import RunConfig, load_config
-from trainer.training.loop import build_training_backend
-import inference.app, inference.__main__, trainer.orchestration.launcher, trainer.orchestration.report
+from trainer.backends.build import build_backend
+import inference.app, inference.__main__, trainer.orchestration.launcher, trainer.readout.report
 from trainer.training.batch import convert_batch, IntakeOptions
 from trainer.training.losses import LossParams
 from trainer.training.schedule import adam_params
 cfg = load_config(RunConfig, {str(ROOT / "configs" / "tiny_cpu.yaml")!r}, ["trainer.output_dir={tmp_path}"])
-backend = build_training_backend(cfg)
+backend = build_backend(cfg)
 ex = convert_batch(json.load(open({str(FIXTURE)!r}))["batch"], IntakeOptions(2048, 64)).examples
 fb, optim = backend.train_step(ex, LossParams("importance_sampling"), "sum", adam_params(1e-2))
 backend.save_for_sampler(1)
@@ -300,7 +300,7 @@ def make_run(folder: Path, backend: str, rewards: list[float]) -> Path:
 
 
 def test_report_compares_runs(tmp_path):
-    from trainer.orchestration.report import main
+    from trainer.readout.report import main
 
     a = make_run(tmp_path / "local-run", "local", [0.1, 0.5, 0.9, 1.0])
     b = make_run(tmp_path / "tinker-run", "tinker", [0.1, 0.2, 0.3, 0.85])

@@ -27,7 +27,7 @@ BF16 = {"model__dtype": "bfloat16", "trainer__save_dtype": "bfloat16"}
 @pytest.fixture(scope="module")
 def bf16_gateway(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("bf16-gateway")
-    overrides = ["inference.max_staleness=2", "model.dtype=bfloat16", "inference.vllm.dtype=bfloat16"]
+    overrides = ["inference.keep_versions=2", "model.dtype=bfloat16", "inference.vllm.dtype=bfloat16"]
     with spawn_gateway(str(ROOT / "configs" / "tiny_cpu.yaml"), overrides, log_dir, timeout_s=300) as (
         url,
         _,

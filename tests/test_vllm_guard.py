@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from inference.config import GatewayConfig
-from inference.vllm_backend import VLLM_GUARD_MIDDLEWARE, build_vllm_command
-from inference.vllm_guard import KeyGuard, Message, Receive, Scope, Send
+from inference.samplers.vllm import VLLM_GUARD_MIDDLEWARE, build_vllm_command
+from inference.samplers.vllm_guard import KeyGuard, Message, Receive, Scope, Send
 
 KEY = "right-key-0123456789"
 PATHS = [

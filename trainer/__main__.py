@@ -1,14 +1,12 @@
-"""`python -m trainer`: the trainer process's command line, and the tools around a run.
+"""`python -m trainer`: the trainer process's command line, and the tools that read a run.
 
 python -m trainer run --config RUN_DIR/config.yaml                   # the training loop (launch.sh runs it)
 python -m trainer config --config configs/gsm8k.yaml optim.lr=2e-5   # print the resolved config (YAML)
 python -m trainer tiny-model [--out DIR] [--seed N]                  # build/cache the offline tiny model
 python -m trainer summary RUN_DIR [RUN_DIR ...]                      # a run in a few lines
 python -m trainer report RUN_DIR [RUN_DIR ...] --out DIR             # side-by-side comparison report
-python -m trainer bench [...]                                        # trainer throughput benchmark (JSON)
-python -m trainer bench-gateway [...]                                # gateway benchmark (JSON)
-python -m trainer soak --minutes 30 --fault-every 60                 # the toy loop under faults (JSON)
-python -m trainer bench-service [...]                                # Tinker-protocol service benchmark (JSON)
+
+Benchmarks and the soak test are `python -m benchmarks ...` (see `python -m benchmarks --help`).
 """
 
 from __future__ import annotations
@@ -22,14 +20,32 @@ import yaml
 from trainer.training.config import ConfigError, RunConfig, load_config
 
 TOOLS = {  # sub-command -> module whose main(argv) it runs
-    "summary": "trainer.orchestration.summary",
-    "report": "trainer.orchestration.report",
-    "bench": "trainer.orchestration.bench",
-    "bench-gateway": "trainer.orchestration.gateway_bench",
-    "soak": "trainer.orchestration.soak",
-    "bench-onpolicy": "trainer.orchestration.onpolicy_bench",
-    "bench-service": "trainer.orchestration.service_bench",
+    "summary": "trainer.readout.summary",
+    "report": "trainer.readout.report",
 }
+MOVED = {  # former sub-command -> the command that runs it now
+    "bench": "python -m benchmarks trainer",
+    "bench-gateway": "python -m benchmarks gateway",
+    "bench-service": "python -m benchmarks service",
+    "bench-onpolicy": "python -m benchmarks onpolicy",
+    "soak": "python -m benchmarks soak",
+}
+
+
+def train(cfg: RunConfig) -> bool:
+    """Build this rank's backend and run the loop on it (the loop never builds one); ranks > 0 of a
+    data-parallel job only follow rank 0's collective calls. True when the run reached its last step."""
+    from trainer.backends.build import build_backend, follow_rank_zero, is_main_rank, release
+    from trainer.training.loop import require_endpoints, run
+
+    require_endpoints(cfg)
+    if not is_main_rank():
+        follow_rank_zero(cfg)
+        return True
+    backend = build_backend(cfg)
+    finished = run(cfg, backend)
+    release(backend)  # not on an exception: see release
+    return finished
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for tool, module in TOOLS.items():
-        sub.add_parser(tool, help=f"see python -m {module} --help", add_help=False)
+    for tool in TOOLS:
+        sub.add_parser(tool, help=f"see python -m trainer {tool} --help", add_help=False)
     cfg_p = sub.add_parser("config", help="validate and print the resolved config")
     cfg_p.add_argument("--config", help="YAML file")
     cfg_p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
@@ -55,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
+    if args_in and args_in[0] in MOVED:
+        print(f"error: `python -m trainer {args_in[0]}` moved: run `{MOVED[args_in[0]]}`", file=sys.stderr)
+        return 2
     if args_in and args_in[0] in TOOLS:
         import importlib
 
@@ -64,13 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         import logging
 
         from trainer.training.faults import EXIT_NEEDS_OPERATOR, DiskFull
-        from trainer.training.loop import run
         from trainer.training.publishing import PublishUnverified
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)
         try:
-            finished = run(load_config(RunConfig, args.config, args.overrides))
+            finished = train(load_config(RunConfig, args.config, args.overrides))
         except (DiskFull, PublishUnverified) as exc:  # a restart would fail the same way: the launcher stops
             logging.getLogger("trainer").error("%s", exc)
             return EXIT_NEEDS_OPERATOR

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from trainer.backends.base import AdamParams, ForwardBackwardResult
 from trainer.backends.collectives import broadcast
 from trainer.backends.local import LocalBackend
+from trainer.training.backend import AdamParams, ForwardBackwardResult
 from trainer.training.batch import TrainingExample
 from trainer.training.losses import LossParams, Reduction
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.backends.base import AdamParams, ForwardBackwardResult
+from trainer.backends import cuda_check
 from trainer.backends.collectives import (
     gather_objects,
     init_process_group,
@@ -28,7 +28,7 @@ from trainer.backends.collectives import (
     shard_indices,
     wrap_data_parallel,
 )
-from trainer.orchestration import cuda_check
+from trainer.training.backend import AdamParams, ForwardBackwardResult
 from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
 from trainer.training.checkpoints import failpoint, fsync_path
 from trainer.training.config import RunConfig
@@ -196,7 +196,7 @@ class TokenLogprobs(torch.nn.Module):
 
 class LocalBackend:
     """TrainingBackend on a local GPU or CPU, or one rank of a torchrun data-parallel job (trainer.backends.data_parallel).
-    See trainer.backends.base.TrainingBackend for the contract."""
+    See trainer.training.backend.TrainingBackend for the contract."""
 
     def __init__(self, cfg: RunConfig, model: Any = None):
         self.cfg = cfg

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from trainer.backends.base import AdamParams, ForwardBackwardResult
+from trainer.training.backend import AdamParams, ForwardBackwardResult
 from trainer.training.batch import TrainingExample, examples_to_tensors
 from trainer.training.checkpoints import write_atomic
 from trainer.training.config import ConfigError, RunConfig
@@ -150,7 +150,7 @@ def loss_fn_config(loss: LossParams) -> dict[str, float] | None:
 
 
 class TinkerBackend:
-    """TrainingBackend on Tinker. See trainer.backends.base.TrainingBackend for the contract."""
+    """TrainingBackend on Tinker. See trainer.training.backend.TrainingBackend for the contract."""
 
     def __init__(self, cfg: RunConfig, service: Any = None, tokenizer: Any = None):
         self.cfg = cfg

@@ -22,7 +22,7 @@ from trainer.training.polling import wait_until
 
 
 def write_gateway_config(config: str | None, overrides: list[str], out: Path) -> Path:
-    """RUN_DIR-style gateway.yaml from a run config and dotted overrides (`inference.max_staleness=2`)."""
+    """RUN_DIR-style gateway.yaml from a run config and dotted overrides (`inference.keep_versions=2`)."""
     cfg = load_config(RunConfig, config, overrides)
     section = gateway_section(cfg, check_model(cfg.model.path), {"port": 0})
     write_private(out, yaml.safe_dump(section, sort_keys=False))

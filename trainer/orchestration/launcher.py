@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from rlcommon.hosts import LOOPBACK_HOSTS
 from trainer.orchestration.commands import PY, ROOT, build_components, env_preflight_command
 from trainer.orchestration.processes import Component, listen, stop_all
 from trainer.orchestration.slurm import Placement, SlurmJob, job_from_env, parse_nodelist, plan
@@ -32,8 +33,8 @@ from trainer.orchestration.supervisor import LaunchError, Supervisor, wait_http
 from trainer.training.checkpoints import read_latest
 from trainer.training.config import ConfigError, RunConfig, load_config, sampler_dtype
 
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 ANY_HOST = frozenset({"0.0.0.0", "::"})
+RUNS = ROOT / "runs"  # a new run's folder goes here unless trainer.output_dir says where
 
 
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
@@ -56,7 +57,7 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     overrides = [f"rollout.env={args.env}", *args.overrides, f"launch.backend={args.backend}"]
     if not any(o.startswith("trainer.output_dir=") for o in args.overrides):
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        overrides.append(f"trainer.output_dir={ROOT / 'runs' / f'{Path(args.env).stem}-{stamp}'}")
+        overrides.append(f"trainer.output_dir={RUNS / f'{Path(args.env).stem}-{stamp}'}")
     cfg = load_config(RunConfig, config, overrides)
     run_dir = Path(cfg.trainer.output_dir).resolve()
     if (run_dir / "metrics.jsonl").exists():
@@ -68,13 +69,14 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
 
 
 def gateway_section(cfg: RunConfig, model_path: str, address: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The gateway's config, completed from the run (model folder, staleness window, sampler, the address this
+    """The gateway's config, completed from the run (model folder, versions kept loaded, sampler, the address this
     launch chose) and validated by the gateway's own model in its own interpreter; returned with every default
     filled in. cfg.inference itself stays as the user wrote it (but for vLLM's dtype, resolved for this machine), so
     a resumed run chooses its ports afresh."""
     resolve_sampler_dtype(cfg)
     section = {**cfg.inference, **(address or {})}
-    section.setdefault("max_staleness", cfg.rollout.max_staleness)
+    # Every version the trainer may still accept stays loaded: the gateway keeps the trainer's window unless told.
+    section.setdefault("keep_versions", cfg.rollout.max_staleness)
     if cfg.launch.backend == "tinker":
         section["sampler"] = "tinker"
         section.setdefault("model", cfg.model.path)
@@ -288,13 +290,27 @@ def write_run_folder(cfg: RunConfig, run_dir: Path, model_path: str, job: SlurmJ
     return components
 
 
+def trainer_starts_with_vllm(cfg: RunConfig) -> bool:
+    """Whether the trainer may load its model while vLLM boots (it waits for the gateway before its first call):
+    not when the two may share a GPU, since vLLM sizes its KV cache from the GPU memory it finds free while it
+    profiles, and the trainer's weights arriving meanwhile would be taken for vLLM's own."""
+    from trainer.orchestration import preflight as checks
+
+    return cfg.launch.backend != "local" or not checks.NVIDIA_CONTROL.exists()
+
+
 def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> None:
-    """run-api, then the gateway (once vLLM answers a real completion), then the environments, then the trainer."""
+    """run-api and the gateway at once (neither needs the other); the trainer as soon as run-api answers when it may
+    load its model while vLLM boots (trainer_starts_with_vllm), else last; the environments once the gateway is
+    healthy (vLLM answered a real completion)."""
     assert cfg.launch.run_api_url is not None and cfg.launch.gateway_url is not None
     api, gateway, *envs, trainer = components
     api.start()
-    wait_http(f"{cfg.launch.run_api_url}/status", api, cfg.launch.health_timeout_s, "answering /status")
     gateway.start()
+    wait_http(f"{cfg.launch.run_api_url}/status", api, cfg.launch.health_timeout_s, "answering /status")
+    early = trainer_starts_with_vllm(cfg)
+    if early:
+        trainer.start()
     print(
         f"waiting for the gateway and vLLM (log: {gateway.log}, {run_dir / 'logs' / 'vllm.log'})", flush=True
     )
@@ -305,7 +321,13 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
     for env in envs:
         if env.exited() is not None:
             raise LaunchError(f"{env.name} exited with code {env.exited()}; read {env.log}:\n{env.tail()}")
-    trainer.start()
+    if early:
+        if trainer.exited() is not None:
+            raise LaunchError(
+                f"the trainer exited with code {trainer.exited()}; read {trainer.log}:\n{trainer.tail()}"
+            )
+    else:
+        trainer.start()
 
 
 def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: SlurmJob | None = None) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlcommon.slots import lora_slots
 from trainer.training.config import RunConfig
 
 GiB = 2**30
@@ -307,7 +308,9 @@ class VLLMSettings:
         return cls(
             dtype=str(v["dtype"]),
             max_lora_rank=int(v["max_lora_rank"]),
-            max_loras=int(gateway["max_staleness"]) + 2,  # GatewayConfig.max_loras, passed as --max-loras
+            max_loras=lora_slots(
+                int(gateway["keep_versions"])
+            ),  # vLLM's --max-loras, as the gateway passes it
             max_model_len=v["max_model_len"],
             gpu_memory_utilization=v["gpu_memory_utilization"],
             kv_cache_memory_bytes=v["kv_cache_memory_bytes"],
@@ -500,7 +503,7 @@ def check_fit(plan: MemoryPlan, cfg: RunConfig, gateway: dict[str, Any] | None) 
                     f"vLLM needs {gib(f['fixed'])} before its KV cache plus {gib(f['one_sequence'])} for one "
                     f"max_model_len={f['max_len']} sequence, but inference.vllm.gpu_memory_utilization={util} "
                     f"gives it {gib(f['budget'])} of the {gib(gpu)} GPU: raise it to at least {need:.2f}, or lower "
-                    "inference.vllm.max_model_len (or inference.max_staleness / inference.vllm.max_lora_rank "
+                    "inference.vllm.max_model_len (or inference.keep_versions / inference.vllm.max_lora_rank "
                     "for fewer, smaller LoRA slots)"
                 )
         elif f["kv"] < f["one_sequence"]:

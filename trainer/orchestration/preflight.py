@@ -299,10 +299,13 @@ def check_tinker() -> list[str]:
     return problems
 
 
+NVIDIA_CONTROL = Path("/dev/nvidiactl")  # present wherever an NVIDIA driver is: no CUDA device without it
+
+
 def probe_gpu_memory() -> tuple[int, int] | None:
     """(total, free) bytes of the smallest visible CUDA device, or None without one. Read in a short-lived
     subprocess: a CUDA context in the launcher would hold ~0.5 GiB of the GPU for the whole run."""
-    if not Path("/dev/nvidiactl").exists():
+    if not NVIDIA_CONTROL.exists():
         return None
     code = (
         "import json, torch\n"

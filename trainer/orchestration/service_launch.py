@@ -32,6 +32,8 @@ from trainer.orchestration.processes import die_with_parent, listen, stop_child
 from trainer.training.config import ConfigError, RunConfig, load_config
 from trainer.training.polling import wait_until
 
+# The service's sampler adapters are named, not policy versions: what it needs is LoRA slots in vLLM (rlcommon.slots).
+SERVICE_KEEP_VERSIONS = 2
 GATEWAY_START_S = 900.0  # a GPU vLLM loading 8B weights and compiling graphs takes minutes
 
 
@@ -96,8 +98,8 @@ def supervise(
 def gateway_config(cfg: RunConfig, port: int, model_path: str) -> dict[str, object]:
     """The gateway's section as a run's launcher completes it, with 4 adapters per vLLM batch unless configured."""
     address: dict[str, object] = {"port": port}
-    if "max_staleness" not in cfg.inference:  # vLLM's --max-loras is max_staleness + 2
-        address["max_staleness"] = 2
+    if "keep_versions" not in cfg.inference:  # the service has no rollout window: 2 gives lora_slots(2) = 4
+        address["keep_versions"] = SERVICE_KEEP_VERSIONS
     return gateway_section(cfg, model_path, address)
 
 

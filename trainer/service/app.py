@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from trainer.backends.base import AdamParams
 from trainer.service.policies import LoraSpec, MultiLora
 from trainer.service.sampling import GatewaySampler, SampleCall, decode_sample, encode_sample
 from trainer.service.wire import (
@@ -42,10 +41,12 @@ from trainer.service.wire import (
     decode_forward_backward,
     encode_forward_backward,
 )
+from trainer.training.backend import AdamParams
 from trainer.training.config import RunConfig
 
 log = logging.getLogger("trainer.service")
 
+API = "/api/v1"  # the SDK's routes; /health sits outside it
 PROTOBUF = "application/x-protobuf"
 TINKER_SCHEME = "tinker://"
 SNAPSHOT_PREFIX = "snapshot-"  # unnamed sampler snapshots (save_weights_and_get_sampling_client)
@@ -120,6 +121,20 @@ class Service:
                 cfg.service.gateway_url, cfg.service.gateway_token, cfg.service.max_loaded_samplers
             )
         )
+
+    def capabilities(self) -> dict[str, Any]:
+        """The quickstart's first call (RestClient.get_server_capabilities): the one base this service trains."""
+        limits = [self.cfg.trainer.max_seq_len, (self.cfg.inference.get("vllm") or {}).get("max_model_len")]
+        return {
+            "supported_models": [
+                {
+                    "model_name": self.cfg.model.path,
+                    "max_context_length": min(n for n in limits if isinstance(n, int)),
+                    "trainable": True,
+                    "sampleable": self.cfg.service.sampling,
+                }
+            ]
+        }
 
     # --- futures ----------------------------------------------------------------------------------------------
 
@@ -249,6 +264,20 @@ class Service:
         if name is None:
             raise UserError(f"no training client {model_id!r} on this service (was the service restarted?)")
         return name
+
+    def info(self, model_id: str) -> dict[str, Any]:
+        """get_info: the client's base model and LoRA rank."""
+        name = self.model_name(model_id)
+        return {
+            "model_id": model_id,
+            "model_data": {
+                "model_name": self.cfg.model.path,
+                "arch": self.policies.arch,
+                "tokenizer_id": self.policies.model_path,
+            },
+            "is_lora": True,
+            "lora_rank": self.policies.clients[name].spec.rank,
+        }
 
     def create_model(self, model_id: str, base_model: str, lora: dict[str, Any]) -> Result:
         if base_model not in (self.cfg.model.path, self.policies.model_path):
@@ -400,6 +429,16 @@ class Service:
         self.samplers[sampler_id] = sampler
         return sampler
 
+    def drop_old_snapshots_after(self, request_id: str, model_id: str) -> None:
+        """Once the snapshot being saved under `request_id` exists, the client's oldest ones beyond the kept number go."""
+        saved = self.futures[request_id]
+
+        async def tidy() -> None:
+            await asyncio.shield(saved)
+            await self.drop_old_snapshots(model_id)
+
+        asyncio.get_running_loop().create_task(tidy())
+
     async def drop_old_snapshots(self, model_id: str) -> None:
         """Keep the newest service.sampler_snapshots_kept unnamed snapshots of a client (8B rank-32 ones are
         ~170 MB each, one per RL step); older ones are unloaded and deleted unless a request is sampling them."""
@@ -512,11 +551,21 @@ def _field(body: dict[str, Any], key: str, kind: type) -> Any:
     return value
 
 
+def _new_model_id(body: dict[str, Any]) -> str:
+    """A new training client's id: its session and its place among the session's clients."""
+    return f"{_field(body, 'session_id', str)}:train:{_field(body, 'model_seq_id', int)}"
+
+
+def _call_of(body: dict[str, Any]) -> tuple[str, int]:
+    """An existing training client's call: its model id and its seq_id (its place in the client's order)."""
+    return _field(body, "model_id", str), _field(body, "seq_id", int)
+
+
 def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
+    """The service: the SDK's key check and refusal format, then the routes, one router per group."""
     app = FastAPI(title="local Tinker-protocol service")
     service = Service(cfg, policies)
     app.state.service = service
-    api = "/api/v1"
 
     @app.exception_handler(UserError)
     async def refused(_: Request, exc: UserError) -> JSONResponse:
@@ -525,45 +574,54 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
     @app.middleware("http")
     async def check_key(request: Request, call_next: Any) -> Response:
         key = cfg.service.api_key
-        if key is not None and request.url.path.startswith(api) and request.headers.get("x-api-key") != key:
+        if key is not None and request.url.path.startswith(API) and request.headers.get("x-api-key") != key:
             return JSONResponse({"detail": "wrong or missing X-API-Key (service.api_key)"}, status_code=401)
         return await call_next(request)
 
-    @app.get("/health")
+    for routes in (server_routes, session_routes, training_routes, weights_routes, sampling_routes):
+        app.include_router(routes(service))
+    return app
+
+
+def server_routes(service: Service) -> APIRouter:
+    """What the SDK asks before it opens a session: health, the one base model served, its client settings."""
+    router, cfg = APIRouter(), service.cfg
+
+    @router.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": cfg.model.path, "clients": len(service.models)}
 
-    @app.get(f"{api}/healthz")
+    @router.get(f"{API}/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get(f"{api}/get_server_capabilities")
+    @router.get(f"{API}/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
-        # The quickstart's first call (RestClient.get_server_capabilities): the one base this service trains.
-        limits = [cfg.trainer.max_seq_len, (cfg.inference.get("vllm") or {}).get("max_model_len")]
-        return {
-            "supported_models": [
-                {
-                    "model_name": cfg.model.path,
-                    "max_context_length": min(n for n in limits if isinstance(n, int)),
-                    "trainable": True,
-                    "sampleable": cfg.service.sampling,
-                }
-            ]
-        }
+        return service.capabilities()
 
-    @app.post(f"{api}/client/config")
+    @router.post(f"{API}/client/config")
     async def client_config() -> dict[str, Any]:
         return {"use_pyqwest_transport": False}
 
-    @app.post(f"{api}/create_session")
+    @router.post(f"{API}/telemetry")
+    async def telemetry() -> dict[str, str]:
+        return {"status": "accepted"}
+
+    return router
+
+
+def session_routes(service: Service) -> APIRouter:
+    """A session's life (create, heartbeat, finish) and the futures every training or sampling call answers with."""
+    router = APIRouter()
+
+    @router.post(f"{API}/create_session")
     async def create_session() -> dict[str, str]:
         session_id = f"sess-{next(service.sessions)}"
         service.beats[session_id] = time.monotonic()
         service.start_reaper()
         return {"session_id": session_id}
 
-    @app.post(f"{api}/session_heartbeat")
+    @router.post(f"{API}/session_heartbeat")
     async def heartbeat(request: Request) -> JSONResponse:
         session_id = _field(await _json(request), "session_id", str)
         if (
@@ -573,49 +631,41 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
         service.beats[session_id] = time.monotonic()
         return JSONResponse({})
 
-    @app.post(f"{api}/telemetry")
-    async def telemetry() -> dict[str, str]:
-        return {"status": "accepted"}
-
-    @app.post(f"{api}/sessions/{{session_id}}/finish")
+    @router.post(f"{API}/sessions/{{session_id}}/finish")
     async def finish(session_id: str) -> dict[str, Any]:
         service.end_session(session_id)
         return {}
 
-    @app.post(f"{api}/retrieve_future")
+    @router.post(f"{API}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         return await service.retrieve(_field(await _json(request), "request_id", str))
 
-    @app.post(f"{api}/create_model")
+    return router
+
+
+def training_routes(service: Service) -> APIRouter:
+    """Training clients: create one, describe it, and its forward(-backward) and optimizer calls, in seq_id order."""
+    router = APIRouter()
+
+    @router.post(f"{API}/create_model")
     async def create_model(request: Request) -> dict[str, str]:
         body = await _json(request)
-        model_id = f"{_field(body, 'session_id', str)}:train:{_field(body, 'model_seq_id', int)}"
+        model_id = _new_model_id(body)
         base, lora = body.get("base_model"), body.get("lora_config") or {}
         if not isinstance(lora, dict):
             raise UserError(f"'lora_config' must be an object, got {lora!r}")
         service.order.setdefault(model_id, Ordered())
         return {"request_id": service.submit(lambda: service.create_model(model_id, str(base), lora))}
 
-    @app.post(f"{api}/get_info")
+    @router.post(f"{API}/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        model_id = _field(await _json(request), "model_id", str)
-        name = service.model_name(model_id)
-        return {
-            "model_id": model_id,
-            "model_data": {
-                "model_name": cfg.model.path,
-                "arch": policies.arch,
-                "tokenizer_id": policies.model_path,
-            },
-            "is_lora": True,
-            "lora_rank": policies.clients[name].spec.rank,
-        }
+        return service.info(_field(await _json(request), "model_id", str))
 
-    @app.post(f"{api}/forward_backward")
+    @router.post(f"{API}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, str]:
         if request.headers.get("content-encoding") == "zstd":
             raise UserError("zstd-compressed bodies are not accepted (this service never asks for them)")
-        model_id, seq_id, _, call = decode_forward_backward(await request.body(), policies.vocab_size)
+        model_id, seq_id, _, call = decode_forward_backward(await request.body(), service.policies.vocab_size)
 
         def work() -> Result:
             if isinstance(call, UserError):
@@ -624,10 +674,10 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
 
         return {"request_id": service.submit(work, model_id, seq_id)}
 
-    @app.post(f"{api}/optim_step")
+    @router.post(f"{API}/optim_step")
     async def optim_step(request: Request) -> dict[str, str]:
         body = await _json(request)
-        model_id, seq_id = _field(body, "model_id", str), _field(body, "seq_id", int)
+        model_id, seq_id = _call_of(body)
         adam = body.get("adam_params")
         if adam is None and body.get("optimizer_params") is not None:
             raise UserError("only AdamParams are supported (optimizer_params of another type was sent)")
@@ -635,61 +685,63 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
             "request_id": service.submit(lambda: service.optim_step(model_id, seq_id, adam), model_id, seq_id)
         }
 
-    @app.post(f"{api}/save_weights")
+    return router
+
+
+def weights_routes(service: Service) -> APIRouter:
+    """Checkpoints (save_state, load_state into a client or a new one) and sampler weights (named, or an unnamed
+    snapshot that a sampling session opens on)."""
+    router = APIRouter()
+
+    @router.post(f"{API}/save_weights")
     async def save_weights(request: Request) -> dict[str, str]:
         body = await _json(request)
-        model_id, seq_id, name = (
-            _field(body, "model_id", str),
-            _field(body, "seq_id", int),
-            _field(body, "path", str),
-        )
+        (model_id, seq_id), name = _call_of(body), _field(body, "path", str)
         return {"request_id": service.submit(lambda: service.save_state(model_id, name), model_id, seq_id)}
 
-    @app.post(f"{api}/load_weights")
+    @router.post(f"{API}/load_weights")
     async def load_weights(request: Request) -> dict[str, str]:
         body = await _json(request)
         path, optimizer = _field(body, "path", str), bool(body.get("optimizer", False))
         if "model_id" in body:
-            model_id, seq_id = _field(body, "model_id", str), _field(body, "seq_id", int)
-            return {
-                "request_id": service.submit(
-                    lambda: service.load_state(model_id, path, optimizer), model_id, seq_id
-                )
-            }
-        new_id = f"{_field(body, 'session_id', str)}:train:{_field(body, 'model_seq_id', int)}"
+            model_id, seq_id = _call_of(body)
+            loaded = service.submit(lambda: service.load_state(model_id, path, optimizer), model_id, seq_id)
+            return {"request_id": loaded}
+        new_id = _new_model_id(body)
         service.order.setdefault(new_id, Ordered())
         return {"request_id": service.submit(lambda: service.load_state(new_id, path, optimizer))}
 
-    @app.post(f"{api}/save_weights_for_sampler")
+    @router.post(f"{API}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, str]:
         body = await _json(request)
-        model_id, seq_id, name = _field(body, "model_id", str), _field(body, "seq_id", int), body.get("path")
+        (model_id, seq_id), name = _call_of(body), body.get("path")
         session_seq = body.get("sampling_session_seq_id")
         request_id = service.submit(
             lambda: service.save_for_sampler(model_id, name, session_seq), model_id, seq_id
         )
-        if not name:
-            saved = service.futures[request_id]
-
-            async def tidy() -> None:
-                await asyncio.shield(saved)
-                await service.drop_old_snapshots(model_id)
-
-            asyncio.get_running_loop().create_task(tidy())
+        if not name:  # an unnamed snapshot: older ones go once it is saved
+            service.drop_old_snapshots_after(request_id, model_id)
         return {"request_id": request_id}
 
-    @app.post(f"{api}/create_sampling_session")
+    return router
+
+
+def sampling_routes(service: Service) -> APIRouter:
+    """Sampling sessions (the base model or saved sampler weights) and their samples, through the gateway."""
+    router = APIRouter()
+
+    @router.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, str]:
         return {"sampling_session_id": service.create_sampler(await _json(request))}
 
-    @app.get(f"{api}/samplers/{{sampler_id}}")
+    @router.get(f"{API}/samplers/{{sampler_id}}")
     async def get_sampler(sampler_id: str) -> dict[str, Any]:
         spec = service.samplers.get(sampler_id)
         if spec is None:
             raise UserError(f"no sampling session {sampler_id!r} here")
-        return {"sampler_id": sampler_id, "base_model": cfg.model.path, "model_path": spec.model_path}
+        return {"sampler_id": sampler_id, "base_model": service.cfg.model.path, "model_path": spec.model_path}
 
-    @app.post(f"{api}/asample")
+    @router.post(f"{API}/asample")
     async def asample(request: Request) -> dict[str, Any]:
         body = await _json(request)
         sampler_id = _field(body, "sampling_session_id", str)
@@ -698,4 +750,4 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
         ids = [f"{sampler_id}:{body.get('seq_id')}:{i}" for i in range(count)]
         return {"request_id": service.submit_async(lambda: service.sample(body)), "sample_sequence_ids": ids}
 
-    return app
+    return router

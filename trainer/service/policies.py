@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.backends.base import AdamParams
 from trainer.backends.local import (
     TokenLogprobs,
     adamw_step,
@@ -28,6 +27,7 @@ from trainer.backends.local import (
     resolve_model_path,
     write_peft_adapter,
 )
+from trainer.training.backend import AdamParams
 from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
 from trainer.training.config import RunConfig
 from trainer.training.losses import LossInputs, LossParams, compute_loss, compute_reduction_weights

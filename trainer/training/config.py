@@ -11,6 +11,8 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rlcommon.overrides import apply_overrides, error_lines, renamed_key
+from rlcommon.slots import DEFAULT_MAX_STALENESS, KEEP_VERSIONS_MEANING
 from trainer.training.losses import DEFAULT_DRO_BETA, LossName, LossParams, Reduction
 
 
@@ -217,7 +219,10 @@ class RolloutConfig(_Section):
         8, ge=1, description="groups per optimizer step; batch = groups x group_size"
     )
     max_staleness: int = Field(
-        3, ge=0, description="policy versions a trained rollout may lag; 0 = on-policy"
+        DEFAULT_MAX_STALENESS,
+        ge=0,
+        description="policy versions a trained rollout may lag; 0 = on-policy (the gateway keeps as many loaded "
+        "unless inference.keep_versions says otherwise)",
     )
     temperature: float = Field(1.0, gt=0, description="sampling temperature the environment requests")
     max_new_tokens: int = Field(256, ge=1, description="completion length limit, tokens")
@@ -379,11 +384,14 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         # The gateway must keep every version the trainer may still accept loaded (the launcher fills the default).
-        gateway_staleness = self.inference.get("max_staleness")
-        if isinstance(gateway_staleness, int) and gateway_staleness < self.rollout.max_staleness:
+        old = renamed_key({"inference": self.inference}, RENAMED_KEYS)
+        if old is not None:
+            raise ValueError(renamed_message(old))
+        kept = self.inference.get("keep_versions")
+        if isinstance(kept, int) and kept < self.rollout.max_staleness:
             raise ValueError(
-                f"inference.max_staleness={gateway_staleness} is below "
-                f"rollout.max_staleness={self.rollout.max_staleness}; drop the inference override"
+                f"inference.keep_versions={kept} is below rollout.max_staleness={self.rollout.max_staleness}: the "
+                "gateway would unload versions the trainer still accepts; drop it (it follows rollout.max_staleness)"
             )
         for key in ("sampler", "tinker"):
             if key in self.inference:
@@ -416,36 +424,24 @@ class ConfigError(ValueError):
 
 
 C = TypeVar("C", bound=BaseModel)
+# Keys that were renamed, old -> (new, what it means): the old name is refused with the new one.
+RENAMED_KEYS = {
+    "inference.max_staleness": (
+        "inference.keep_versions",
+        f"{KEEP_VERSIONS_MEANING}; unset, it follows rollout.max_staleness",
+    ),
+}
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not key=value (e.g. optim.lr=2e-5)")
-    key, raw = text.split("=", 1)
-    # YAML gives numbers, booleans, null and lists ([a, b]) their types; anything else stays a string.
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+def renamed_message(old: str, where: str = "") -> str:
+    new, meaning = RENAMED_KEYS[old]
+    return f"{old}{where} is now {new} ({meaning}): rename it, or drop it"
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def shown_input(key: str, value: Any) -> str:
-    """The offending value for an error message; never a secret, never a whole section (which may hold one)."""
-    if "token" in key or "key" in key.rsplit(".", 1)[-1]:
-        return " (value hidden)"
-    if isinstance(value, dict):
-        return ""
-    return f" (got {value!r})"
+def refuse_renamed(data: dict[str, Any], where: str) -> None:
+    old = renamed_key(data, RENAMED_KEYS)
+    if old is not None:
+        raise ConfigError(renamed_message(old, where))
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | None = None) -> C:
@@ -456,16 +452,14 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
         data = loaded or {}
-    data = apply_overrides(data, list(overrides or []))
+    where = f" in {path}" if path else ""
+    refuse_renamed(data, where)
+    data = apply_overrides(data, overrides or [], "optim.lr=2e-5", ConfigError)
+    refuse_renamed(data, " (on the command line)")
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
-        where = f" in {path}" if path else ""
-        lines = []
-        for err in exc.errors():
-            key = ".".join(str(p) for p in err["loc"]) or "<root>"
-            lines.append(f"  {key}: {err['msg']}{shown_input(key, err.get('input'))}")
-        raise ConfigError(f"invalid config{where}:\n" + "\n".join(lines)) from None
+        raise ConfigError(f"invalid config{where}:\n" + "\n".join(error_lines(exc.errors()))) from None
 
 
 def sampler_dtype(cfg: RunConfig, cuda: bool) -> str:

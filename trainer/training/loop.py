@@ -24,9 +24,7 @@ from typing import Any
 
 import httpx
 
-from trainer.backends.base import TrainingBackend
-from trainer.backends.collectives import rank_info
-from trainer.backends.data_parallel import RankZeroBackend
+from trainer.training.backend import TrainingBackend
 from trainer.training.batch import ConvertedBatch, IntakeOptions, convert_batch, parse_batch_response
 from trainer.training.checkpoints import (
     LoopState,
@@ -223,41 +221,18 @@ def sampled_tokens(groups: list[Any]) -> int:
     return sum(sum(1 for m in row if m != -100) for g in groups for row in g.get("masks", []))
 
 
-def build_training_backend(cfg: RunConfig) -> TrainingBackend:
-    if cfg.launch.backend == "tinker":
-        from trainer.backends.tinker import TinkerBackend  # the local path never imports tinker
-
-        return TinkerBackend(cfg)
-    from trainer.backends.local import LocalBackend
-
-    local = LocalBackend(cfg)
-    return RankZeroBackend(local) if local.ranks.world_size > 1 else local
-
-
-def follow_rank_zero(cfg: RunConfig) -> None:
-    """Ranks > 0 of a data-parallel trainer: no I/O, only the collective calls rank 0 makes."""
-    from trainer.backends.data_parallel import follow
-    from trainer.backends.local import LocalBackend
-
-    follow(LocalBackend(cfg))
-
-
-def run(cfg: RunConfig) -> bool:
-    """The training loop; True when the run reached rollout.num_steps, False when a SIGTERM stopped it first."""
-    run_dir = Path(cfg.trainer.output_dir)
+def require_endpoints(cfg: RunConfig) -> None:
     if cfg.launch.run_api_url is None or cfg.launch.gateway_url is None:
         raise ValueError("launch.run_api_url and launch.gateway_url must be set (launch.sh sets them)")
-    if not rank_info().is_main:
-        follow_rank_zero(cfg)
-        return True
-    backend = build_training_backend(cfg)
+
+
+def run(cfg: RunConfig, backend: TrainingBackend) -> bool:
+    """The training loop on `backend` (the entry point builds it: trainer.backends.build); True when the run
+    reached rollout.num_steps, False when a SIGTERM stopped it first."""
+    require_endpoints(cfg)
+    run_dir = Path(cfg.trainer.output_dir)
     with full_disk_is_one_error(run_dir):
-        finished = _run_main(cfg, backend, run_dir)
-    # On an exception rank 0 exits instead; torchrun then stops the other ranks (a stop message could land in the
-    # middle of a collective they are waiting in).
-    if isinstance(backend, RankZeroBackend):
-        backend.close()  # releases the other ranks
-    return finished
+        return _run_main(cfg, backend, run_dir)
 
 
 def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
@@ -273,6 +248,13 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     api = RunApi(cfg, cfg.launch.run_api_url, str(logs / "run-api.log"))
     stopper = Stopper()
     stopper.install()
+    # The launcher may start the trainer while vLLM boots: wait for the gateway here, not in a publish's retries.
+    what = f"the gateway at {cfg.launch.gateway_url} healthy"
+    wait_until(lambda: stopper.requested or gateway.health(), cfg.launch.health_timeout_s, what, 0.2)
+    if stopper.requested:
+        log.info("stopped before the gateway was up: nothing trained")
+        gateway.close()
+        return False
     gate = cfg.publish.gate_on(cfg.rollout.max_staleness)
     # A publish may overlap the next batch's wait when what is sampled meanwhile is still usable: the gate holds
     # it for the new version, or the staleness window accepts the current one.

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import torch
 
-from trainer.backends.base import TrainingBackend
+from trainer.training.backend import TrainingBackend
 from trainer.training.config import RunConfig, sampler_dtype
 from trainer.training.gateway_client import (
     GatewayClient,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.backends.base import AdamParams
+from trainer.training.backend import AdamParams
 from trainer.training.config import OptimConfig
 
 

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from inference.errors import BackendError
-from inference.policy import Policy
+from inference.policy.registry import Policy
 from inference.polling import poll_until
-from inference.vllm_backend import VLLMBackend
+from inference.samplers.vllm import VLLMBackend
 from inference.wire import Sample, SamplingRequest
 
 log = logging.getLogger("inference.replicas")

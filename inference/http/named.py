@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from inference.errors import BackendError
-from inference.intake import (
+from inference.http.intake import (
     json_object,
     off_loop,
     parse_generate,
@@ -25,8 +25,8 @@ from inference.intake import (
     until_disconnect,
     validation_message,
 )
-from inference.lanes import SoloLane
-from inference.policy import Policy, PolicyRegistry
+from inference.policy.registry import Policy, PolicyRegistry
+from inference.samplers.lanes import SoloLane
 from inference.wire import (
     NamedAdapterLoad,
     NamedAdapterLoaded,

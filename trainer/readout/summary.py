@@ -2,7 +2,7 @@
 trainer's idle share (wall time of steps spent neither training nor publishing inline), publish p50/p99 and its
 verification cost, the stale fraction, reward at the start and end and when it first reached 0.8.
 
-    python -m trainer.orchestration.summary runs/toy-20261121-213950 [more run folders...]
+    python -m trainer summary runs/toy-20261121-213950 [more run folders...]
 
 A folder of the Tinker-protocol service (one per training client, rows with a "call") gets its own summary: calls
 by kind, tokens trained and sampled, seconds per call, and the loss of the first and last forward_backward.
@@ -10,6 +10,7 @@ by kind, tokens trained and sampled, seconds per call, and the loss of the first
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -117,11 +118,16 @@ def summarize_service_client(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__, file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer summary",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "folders", nargs="+", metavar="FOLDER", help="a run folder or a service client's folder"
+    )
     out = {}
-    for run_dir in argv:
+    for run_dir in parser.parse_args(argv).folders:
         path = Path(run_dir) / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines() if line]
         out[run_dir] = summarize_service_client(rows) if rows and "call" in rows[0] else summarize(rows)

@@ -16,7 +16,7 @@ from typing import Any
 
 from inference.config import GatewayConfig, GatewayConfigError, TinkerSamplerConfig
 from inference.errors import BackendError
-from inference.policy import Policy
+from inference.policy.registry import Policy
 from inference.wire import Sample, SamplingRequest
 
 SUPPORTED_KEYS = frozenset({"temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed"})

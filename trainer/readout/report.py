@@ -2,7 +2,7 @@
 time per step, sampling and training tokens, estimated cost, mean |trainer - sampler| logprob, reward per step,
 reward over wall clock.
 
-    python -m trainer.orchestration.report runs/toy-local runs/toy-tinker --out reports/toy
+    python -m trainer report runs/toy-local runs/toy-tinker --out reports/toy
 
 Cost uses each run's `pricing:` section: Tinker runs pay per token (sampling and training), local runs pay
 GPU-hours of wall time. Prices default to 0; set them in the config to get dollars.
@@ -144,7 +144,7 @@ def write_report(folders: list[Path], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m trainer.orchestration.report",
+        prog="python -m trainer report",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,4 +1,6 @@
-"""The training-backend interface shared by the local (PyTorch + PEFT) and Tinker backends.
+"""The training-backend interface the loop drives; trainer/backends implements it (local PyTorch + PEFT, Tinker).
+It lives with the loop so that the loop never imports a concrete backend: the entry point builds one
+(trainer.backends.build) and hands it in.
 
 It mirrors Tinker's TrainingClient so that one trainer loop drives either: forward_backward accumulates
 gradients for a batch, optim_step applies them, save_for_sampler publishes weights the sampler can load.

@@ -1,6 +1,6 @@
 """Gateway benchmark on the tiny model: publish latency versus a vLLM cold restart, and gateway overhead.
 
-    python -m trainer.orchestration.gateway_bench [--publishes 20] [--restarts 2] [--rounds 20] [--n 16] [--max-tokens 64]
+    python -m benchmarks gateway [--publishes 20] [--restarts 2] [--rounds 20] [--n 16] [--max-tokens 64]
 
 - publish latency: adapter folder written (trainer's save_for_sampler returns) -> first /generate answered by
   that version (header X-Policy-Version), p50/p95 over --publishes versions;
@@ -32,12 +32,12 @@ from typing import Any
 
 import httpx
 
-from trainer.orchestration.commands import git_sha
+from trainer.orchestration.commands import ROOT, git_sha
 from trainer.orchestration.gateway_process import spawn_gateway
 from trainer.training.gateway_client import GatewayClient
 from trainer.training.polling import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
+COMMAND = "python -m benchmarks gateway"  # the command line the JSON records
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -269,7 +269,9 @@ async def measure_throughput(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=COMMAND, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--publishes", type=int, default=20)
     p.add_argument("--restarts", type=int, default=2)
     p.add_argument("--rounds", type=int, default=20)
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, restarts = m["rows"], m["restarts"]
     latency = [r["latency_s"] for r in rows]
     result = {
-        "command": " ".join([Path(sys.executable).name, "-m", "trainer", "bench-gateway", *sys.argv[1:]]),
+        "command": " ".join([COMMAND, *(sys.argv[1:] if argv is None else argv)]),
         "git_sha": git_sha(),
         "hardware": {"cpu": platform.machine(), "cores": os.cpu_count()},
         "publish": {

@@ -1,7 +1,7 @@
 """Trainer throughput benchmark: LoRA forward+backward+AdamW tokens/s, MFU, peak memory, adapter save time.
 
-    python -m trainer.orchestration.bench                                  # tiny offline model on CPU
-    python -m trainer.orchestration.bench --shape llama-3.1-8b --device cuda  # random Llama-3.1-8B shape, seq 512, rank 32
+    python -m benchmarks trainer                                   # tiny offline model on CPU
+    python -m benchmarks trainer --shape llama-3.1-8b --device cuda  # random Llama-3.1-8B shape, seq 512, rank 32
 
 Prints one JSON object (medians over --steps timed steps after one warm-up) with the command, git sha and
 hardware. The 8B shape is randomly initialised on the device: nothing is downloaded.
@@ -26,6 +26,8 @@ from trainer.training.batch import TrainingExample
 from trainer.training.config import RunConfig
 from trainer.training.losses import LossParams
 from trainer.training.schedule import adam_params
+
+COMMAND = "python -m benchmarks trainer"  # the command line the JSON records
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
@@ -161,11 +163,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     adapter_bytes = (Path(path) / "adapter_model.safetensors").stat().st_size
     step_s = statistics.median(step_times)
     result: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, "-m", "trainer", "bench", *sys.argv[1:]]),
+        "command": " ".join([COMMAND, *args.argv]),
         "git_sha": git_sha(),
         "hardware": hardware(),
         "torch": torch.__version__,
-        "config": {k: v for k, v in vars(args).items()},
+        "config": {k: v for k, v in vars(args).items() if k != "argv"},
         "base_params": base_params,
         "lora_params": sum(p.numel() for p in backend.params),
         "tokens_per_step": tokens_per_step,
@@ -188,7 +190,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=COMMAND, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shape", choices=["tiny", *SHAPES], default="tiny")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--seq-len", type=int, default=512)
@@ -200,7 +204,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--chunk-tokens", type=int, default=1024)
     p.add_argument("--gradient-checkpointing", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the JSON's command
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,7 +45,7 @@ class KeyGuard:
         key = os.environ.get(KEY_ENV, "") if key is None else key
         if not key.strip():
             raise RuntimeError(
-                f"inference.vllm_guard: {KEY_ENV} is empty or unset in vLLM's environment; vLLM with this "
+                f"inference.samplers.vllm_guard: {KEY_ENV} is empty or unset in vLLM's environment; vLLM with this "
                 f"middleware answers only key holders. Start it through the gateway (it sets a random key) or "
                 f"export {KEY_ENV}."
             )

@@ -15,14 +15,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from annotated_types import MaxLen
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
 
 from inference.errors import BackendError
-from inference.guard import INLINE_BODY_BYTES, PARSED_BODY, ParsedBody, in_body_thread
+from inference.http.guard import INLINE_BODY_BYTES, PARSED_BODY, ParsedBody, in_body_thread
 from inference.wire import (
+    MAX_LOOKUP_SEQUENCES,
     MAX_TOKEN_ID,
     LookupRequest,
     SamplingParams,
@@ -41,9 +41,6 @@ MAX_SAMPLING_ITEMS = 1 << 18
 SIZED_SAMPLING_KEYS = ("stop", "stop_token_ids", "bad_words", "logit_bias")
 STEP_IDS = 1 << 16  # token ids validated per pydantic call: a few ms
 _TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(list[TokenId])
-MAX_LOOKUP_SEQUENCES = next(
-    m.max_length for m in LookupRequest.model_fields["sequences"].metadata if isinstance(m, MaxLen)
-)
 
 
 def validation_message(exc: ValidationError | RequestValidationError, prefix: str = "") -> str:
@@ -56,7 +53,7 @@ def validation_message(exc: ValidationError | RequestValidationError, prefix: st
 
 
 async def json_object(request: Request) -> dict[str, Any]:
-    """The body the guard parsed (inference/guard.py); parsed here only for an app without the guard."""
+    """The body the guard parsed (inference/http/guard.py); parsed here only for an app without the guard."""
     parsed = request.scope.get(PARSED_BODY)
     if not isinstance(parsed, ParsedBody):
         try:

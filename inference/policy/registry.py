@@ -21,7 +21,7 @@ from dataclasses import dataclass
 class Policy:
     version: int
     # The name the sampler serves it under: the base model's (vLLM answers it through a zero adapter,
-    # inference/base_lora.py), or a fresh LoRA name per version.
+    # inference/samplers/base_lora.py), or a fresh LoRA name per version.
     model_name: str
     adapter_path: str | None  # None for the base model
     generation: int = 0  # the registry's rollback count when it was published

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from inference.adapters import ADAPTER_FILE, CONFIG_FILE, PREFIX
 from inference.errors import BackendError
+from inference.policy.adapters import ADAPTER_FILE, CONFIG_FILE, PREFIX
 
 BASE_LORA_NAME = "base-zero-lora"  # policies are "policy-v…", named adapters "named-…": no collision
 RANK = 8  # the smallest --max-lora-rank ceiling
@@ -33,7 +33,8 @@ def zero_module(shapes: dict[str, tuple[int, int]], model_path: str) -> str:
         503,
         f"the base model at {model_path} has none of the modules {list(MODULE_SUFFIXES)} (found "
         f"{sorted(shapes)[:8]}): the gateway serves the base model through a zero LoRA on one of them "
-        "(inference/base_lora.py); add this architecture's attention output projection to MODULE_SUFFIXES",
+        "(inference/samplers/base_lora.py); add this architecture's attention output projection to "
+        "MODULE_SUFFIXES",
     )
 
 

@@ -1,5 +1,5 @@
 """Is CUDA usable here, and if not, why: torch's view (is_available, the CUDA its wheel was built for) against the
-driver nvidia-smi reports. `python -m trainer.orchestration.cuda_check` is launch.sh's check after it installs the
+driver nvidia-smi reports. `python -m trainer.backends.cuda_check` is launch.sh's check after it installs the
 gpu extra (exit 1 with the reason); the trainer reuses `diagnose` instead of falling back to the CPU unannounced."""
 
 from __future__ import annotations

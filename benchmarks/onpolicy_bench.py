@@ -1,10 +1,10 @@
 """On-policy benchmark: the toy loop at several staleness bounds, with the on-policy gate on and off, as one JSON.
 
-    python -m trainer bench-onpolicy                                   # staleness 0, 1, 3 x gate on, off; 30 steps
-    python -m trainer bench-onpolicy --staleness 0 --gates on --steps 12
+    python -m benchmarks onpolicy                                   # staleness 0, 1, 3 x gate on, off; 30 steps
+    python -m benchmarks onpolicy --staleness 0 --gates on --steps 12
 
 Runs `launch.sh toy` (configs/tiny_cpu.yaml unless --config) once per (max_staleness, gate) pair, one after
-another (the runs share the machine's cores), and summarises each run's metrics.jsonl (trainer/orchestration/
+another (the runs share the machine's cores), and summarises each run's metrics.jsonl (trainer/readout/
 summary.py): stale fraction, steps per minute, wall seconds to reward 0.8, trainer idle share, publish p50/p99
 and the verification's share of the publish. The first step of each run includes the environment's start and is
 left out of the timing figures (not of the stale fraction).
@@ -23,11 +23,13 @@ from typing import Any
 
 from trainer.orchestration.commands import ROOT, git_sha
 from trainer.orchestration.processes import stop_child
-from trainer.orchestration.summary import summarize
+from trainer.readout.summary import summarize
+
+COMMAND = "python -m benchmarks onpolicy"  # the command line the JSON records
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer bench-onpolicy", description=__doc__)
+    p = argparse.ArgumentParser(prog=COMMAND, description=__doc__)
     p.add_argument("--staleness", default="0,1,3", help="comma-separated rollout.max_staleness values")
     p.add_argument("--gates", default="on,off", help="comma-separated publish.gate values (on, off)")
     p.add_argument("--steps", type=int, default=30, help="rollout.num_steps of each run")
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     gates = [g.strip() for g in args.gates.split(",")]
     if any(g not in ("on", "off") for g in gates):
-        print(f"bench-onpolicy: --gates takes on and off, got {args.gates!r}", file=sys.stderr)
+        print(f"onpolicy: --gates takes on and off, got {args.gates!r}", file=sys.stderr)
         return 2
     staleness = [int(s) for s in args.staleness.split(",")]
     out = Path(args.out or ROOT / "runs" / f"onpolicy-bench-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -103,13 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for s in staleness:
         for gate in gates:
-            print(f"bench-onpolicy: max_staleness={s} gate={gate}", file=sys.stderr, flush=True)
+            print(f"onpolicy: max_staleness={s} gate={gate}", file=sys.stderr, flush=True)
             results.append(run_one(args, out, s, gate))
     print(
         json.dumps(
             {
-                "command": "python -m trainer bench-onpolicy "
-                + " ".join(argv if argv is not None else sys.argv[1:]),
+                "command": COMMAND + " " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "git": git_sha(),
                 "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
                 "runs": results,

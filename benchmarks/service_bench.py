@@ -1,4 +1,4 @@
-"""`python -m trainer bench-service`: the Tinker-protocol service under 1, 2 and 4 concurrent SDK clients, on the
+"""`python -m benchmarks service`: the Tinker-protocol service under 1, 2 and 4 concurrent SDK clients, on the
 config given (default: the tiny CPU model), through `bash launch.sh service` (gateway and vLLM included).
 
 Per client count: training tokens/s (each client runs `--rounds` of forward_backward(importance_sampling) +
@@ -26,9 +26,11 @@ from typing import Any
 from trainer.orchestration.commands import ROOT, git_sha
 from trainer.orchestration.processes import stop_child
 
+COMMAND = "python -m benchmarks service"  # the command line the JSON records
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer bench-service", description=__doc__)
+    p = argparse.ArgumentParser(prog=COMMAND, description=__doc__)
     p.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
     p.add_argument("--clients", default="1,2,4", help="concurrent training clients to measure")
     p.add_argument("--rounds", type=int, default=5, help="forward_backward + optim_step per client")
@@ -171,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         json.dumps(
             {
-                "command": "python -m trainer bench-service "
-                + " ".join(argv if argv is not None else sys.argv[1:]),
+                "command": COMMAND + " " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "git": git_sha(),
                 "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
                 "config": args.config,

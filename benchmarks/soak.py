@@ -1,10 +1,10 @@
 """Soak benchmark: the toy loop under a fault every M seconds for N minutes, as one JSON object.
 
-    python -m trainer soak --minutes 30 --fault-every 60                  # the figure in the README
-    python -m trainer soak --minutes 5 --fault-every 30 --faults kill_trainer,kill_vllm
+    python -m benchmarks soak --minutes 30 --fault-every 60                  # the figure in the README
+    python -m benchmarks soak --minutes 5 --fault-every 30 --faults kill_trainer,kill_vllm
 
 Starts `launch.sh toy` (configs/toy.yaml, the CPU recipe) with a step count it will not reach, lets it run
-`--warmup-steps` clean steps to measure the clean step time, then injects a random fault (trainer/orchestration/
+`--warmup-steps` clean steps to measure the clean step time, then injects a random fault (benchmarks/
 chaos.py) every `--fault-every` seconds until `--minutes` have passed, and stops the run with SIGTERM. Reports:
 faults injected (by kind), faults survived (the run was still alive and made a new step after it), steps done
 and redone (rows a restarted trainer dropped and trained again), restarts the launcher recorded, the clean step
@@ -24,13 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.orchestration.chaos import FAULTS, Fault, Injected, LiveRun, inject
+from benchmarks.chaos import FAULTS, Fault, Injected, LiveRun, inject
 from trainer.orchestration.commands import ROOT
 from trainer.orchestration.processes import stop_child
 
+COMMAND = "python -m benchmarks soak"  # the command line the JSON records
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer soak", description=__doc__)
+    p = argparse.ArgumentParser(prog=COMMAND, description=__doc__)
     p.add_argument("--minutes", type=float, default=30.0, help="length of the fault phase")
     p.add_argument("--fault-every", type=float, default=60.0, metavar="SECONDS")
     p.add_argument("--faults", default=",".join(f.name for f in FAULTS), help="comma-separated fault names")
@@ -44,7 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", help="run folder (default: a new folder under runs/)")
     p.add_argument("overrides", nargs="*", help="run config overrides for launch.sh")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the JSON's command
+    return args
 
 
 class StepWatch:
@@ -173,7 +177,7 @@ def report(
     for i in delivered:
         kinds[i.fault] = kinds.get(i.fault, 0) + 1
     return {
-        "command": "python -m trainer soak " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else []),
+        "command": " ".join([COMMAND, *args.argv]),
         "launch_command": " ".join(cmd),
         "minutes": args.minutes,
         "fault_every_s": args.fault_every,

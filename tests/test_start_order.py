@@ -1,0 +1,82 @@
+"""The launcher's start order: run-api and the gateway at once; the trainer loads its model while vLLM boots
+unless the two may share a GPU; the environments once the gateway is healthy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainer.orchestration import launcher
+from trainer.training.config import RunConfig, load_config
+
+
+class FakeComponent:
+    def __init__(self, name: str, events: list[str], exit_code: int | None = None):
+        self.name, self.events, self.code = name, events, exit_code
+        self.log = Path(f"{name}.log")
+
+    def start(self) -> None:
+        self.events.append(f"start {self.name}")
+
+    def exited(self) -> int | None:
+        return self.code
+
+    def tail(self) -> str:
+        return "(log tail)"
+
+
+def started(monkeypatch, early: bool, trainer_exit: int | None = None) -> list[str]:
+    events: list[str] = []
+    monkeypatch.setattr(launcher, "trainer_starts_with_vllm", lambda cfg: early)
+    monkeypatch.setattr(
+        launcher, "wait_http", lambda url, comp, timeout, what: events.append(f"{comp.name} {what}")
+    )
+    monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
+    cfg = load_config(
+        RunConfig, None, ["launch.run_api_url=http://127.0.0.1:1", "launch.gateway_url=http://127.0.0.1:2"]
+    )
+    names = ("run-api", "gateway", "env", "trainer")
+    comps = [FakeComponent(n, events, trainer_exit if n == "trainer" else None) for n in names]
+    launcher.start_all(comps, cfg, Path("run"))  # type: ignore[arg-type]
+    return events
+
+
+def test_the_trainer_loads_while_vllm_boots_where_they_share_no_gpu(monkeypatch):
+    assert started(monkeypatch, early=True) == [
+        "start run-api",
+        "start gateway",
+        "run-api answering /status",
+        "start trainer",
+        "gateway healthy",
+        "start env",
+    ]
+
+
+def test_the_trainer_starts_last_where_it_may_share_vllms_gpu(monkeypatch):
+    assert started(monkeypatch, early=False) == [
+        "start run-api",
+        "start gateway",
+        "run-api answering /status",
+        "gateway healthy",
+        "start env",
+        "start trainer",
+    ]
+
+
+def test_a_trainer_that_died_while_vllm_booted_stops_the_start(monkeypatch):
+    with pytest.raises(launcher.LaunchError, match="trainer exited with code 2"):
+        started(monkeypatch, early=True, trainer_exit=2)
+
+
+def test_only_a_local_trainer_on_a_cuda_machine_waits_for_vllm(monkeypatch, tmp_path):
+    from trainer.orchestration import preflight
+
+    cfg = load_config(RunConfig, None, [])
+    control = tmp_path / "nvidiactl"
+    monkeypatch.setattr(preflight, "NVIDIA_CONTROL", control)
+    assert launcher.trainer_starts_with_vllm(cfg)  # no driver: the trainer runs on CPU
+    control.touch()
+    assert not launcher.trainer_starts_with_vllm(cfg)
+    cfg.launch.backend = "tinker"  # Tinker samples: no vLLM on this machine
+    assert launcher.trainer_starts_with_vllm(cfg)

@@ -1,0 +1,1 @@
+"""Reading finished or running run folders: `python -m trainer summary` and `python -m trainer report`."""

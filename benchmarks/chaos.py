@@ -1,5 +1,5 @@
 """Breaking a live run on purpose, as a bad night would: the fault injector behind the fault suite
-(tests/test_faults.py) and the soak benchmark (benchmarks/soak.py). Each process is found from the run's
+(tests/integration/test_faults.py) and the soak benchmark (benchmarks/soak.py). Each process is found from the run's
 own records (RUN_DIR/pids.json, which the launcher rewrites after every restart, and the gateway's /policy for
 vLLM), never by name, and only processes of that run are touched."""
 

@@ -9,6 +9,18 @@ import torch
 
 torch.set_num_threads(2)
 
+TESTS = Path(__file__).resolve().parent
+# The tiers are folders: tests/unit (in-process, the fast tier), tests/integration (real vLLM, run-api, launch.sh,
+# child processes: marked slow here, so `-m "not slow"` is the unit tier), tests/gpu (needs CUDA: marked gpu).
+TIER_MARKS = {"integration": "slow", "gpu": "gpu"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = item.path.relative_to(TESTS).parts[0] if item.path.is_relative_to(TESTS) else ""
+        if tier in TIER_MARKS:
+            item.add_marker(TIER_MARKS[tier])
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:

@@ -1,5 +1,5 @@
 """Three optimizer steps of the tiny model on the fixture batch, as one rank of a torchrun job; rank 0 writes the
-resulting LoRA weights and per-step results. tests/test_distributed.py runs it with 1 and with 2 ranks.
+resulting LoRA weights and per-step results. tests/integration/test_distributed.py runs it with 1 and with 2 ranks.
 
     python -m torch.distributed.run --standalone --nproc_per_node N tests/dist_step.py OUT_DIR MICRO_BATCH_TOKENS
 """

@@ -1,5 +1,5 @@
 """What DDP syncs when a data-parallel LocalBackend starts, as one rank of a torchrun job; rank 0 writes what every
-rank saw. tests/test_distributed.py runs it with 2 gloo ranks.
+rank saw. tests/integration/test_distributed.py runs it with 2 gloo ranks.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_sync.py OUT_DIR
 

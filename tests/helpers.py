@@ -13,14 +13,19 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
 import uvicorn
 
+from trainer.training.config import RunConfig
 from trainer.training.polling import wait_until
 
 FIXTURE = Path(__file__).parent / "fixtures" / "runapi_batch.json"
+
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
 
 
 def assert_learned(rewards: list[float | None]) -> None:
@@ -211,3 +216,57 @@ def serve_app(app, sock: socket.socket) -> Iterator[str]:
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def make_cfg(tmp_path: Path, **over) -> RunConfig:
+    data = {
+        "model": {"path": "tiny"},
+        "lora": {"rank": 8, "alpha": 32, "target_modules": ALL_TARGETS, "dropout": 0.0},
+        "trainer": {
+            "output_dir": str(tmp_path),
+            "max_seq_len": 64,
+            "micro_batch_tokens": 256,
+            "logprob_chunk_tokens": 16,
+        },
+    }
+    for key, value in over.items():
+        section, name = key.split("__")
+        data.setdefault(section, {})[name] = value
+    return RunConfig.model_validate(data)
+
+
+def lora_state(backend: Any) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in backend.model.named_parameters() if p.requires_grad}
+
+
+def launch_cmd(run_dir: Path, *overrides: str) -> list[str]:
+    return [
+        "bash",
+        str(ROOT / "launch.sh"),
+        "toy",  # no --config: the first command a new user types
+        f"trainer.output_dir={run_dir}",
+        *overrides,
+    ]
+
+
+def run_launch(cmd: list[str], timeout_s: float) -> tuple[int, str, float]:
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_nothing_left(run_dir: Path) -> None:
+    pids = json.loads((run_dir / "pids.json").read_text())
+    with contextlib.suppress(TimeoutError):
+        wait_until(
+            lambda: not any(group_alive(p) for p in pids.values() if p), 30, "the run's processes gone", 0.2
+        )
+    alive = {name: p for name, p in pids.items() if p and group_alive(p)}
+    assert not alive, f"processes of the run still alive: {alive}"

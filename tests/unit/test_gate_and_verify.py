@@ -1,0 +1,502 @@
+"""The on-policy gate and publish verification in the gateway, against a scripted sampler (the real-vLLM checks
+are in test_gateway_vllm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from inference.policy.gate import Gate
+from inference.policy.probe_check import compare_probe
+from inference.policy.registry import Policy
+from tests.scripted_gateway import ScriptedBackend, client_for, make_adapter, publish_body
+from trainer.training.publishing import FLOAT32_TOLERANCE, LOW_PRECISION_TOLERANCE
+
+GEN = {"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 4}
+
+
+def test_probe_compare_skips_edge_ids_and_needs_overlap():
+    want = [{5: -0.1, 6: -2.0, 7: -3.0}, {1: -0.5, 2: -1.0}]
+    same = compare_probe(want, [{5: -0.1000004, 6: -2.0, 7: -3.0}, {1: -0.5, 2: -1.0}], 1e-4)
+    assert same.passed and same.compared == 5
+    # A near-tie at the edge of the top-k: id 7 and id 8 swap places; the shared ids are compared.
+    edge = compare_probe(want, [{5: -0.1, 6: -2.0, 8: -3.0}, {1: -0.5, 2: -1.0}], 1e-4)
+    assert edge.passed and edge.compared == 4
+    moved = compare_probe(want, [{5: -0.1, 6: -2.05, 7: -3.0}, {1: -0.5, 2: -1.0}], 1e-3)
+    assert not moved.passed and moved.max_abs_diff == pytest.approx(0.05) and moved.worst_prompt == 0
+    assert "0.05" in moved.describe() and "tolerance" in moved.describe()
+    other = compare_probe(want, [{5: -0.1, 6: -2.0, 7: -3.0}, {3: -0.5, 4: -1.0}], 1e-3)
+    assert not other.passed and other.worst_prompt == 1  # a different next-token distribution altogether
+    assert not compare_probe(want, [], 1e-3).passed
+
+
+async def test_gate_holds_until_opened_and_expires_by_itself():
+    gate = Gate()
+    assert await gate.wait() == 0.0  # open: no wait
+    gate.close(1, hold_s=5.0)
+    waiter = asyncio.create_task(gate.wait())
+    await asyncio.sleep(0.05)
+    assert not waiter.done() and gate.holding == 1
+    spell = gate.open()
+    assert spell is not None and spell.version == 1 and spell.held_requests == 1 and not spell.expired
+    assert await waiter >= 0.04
+    gate.close(2, hold_s=0.1)
+    late = asyncio.create_task(gate.wait())
+    await asyncio.sleep(0.3)
+    assert late.done() and gate.waiting_for is None and gate.expired_total == 1
+    assert gate.last is not None and gate.last.expired
+
+
+async def test_requests_wait_for_the_expected_version_and_are_served_on_it(tmp_path):
+    backend = ScriptedBackend()
+    client, _ = client_for(backend)
+    async with client:
+        a1 = make_adapter(tmp_path, "a1")
+        r = await client.post("/policy/expect", json={"version": 1, "hold_s": 30})
+        assert r.json() == {"holding_for": 1, "hold_s": 0.0, "held_requests": 0}
+        held = [asyncio.create_task(client.post("/generate", json=GEN)) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        assert not any(t.done() for t in held)
+        status = (await client.get("/policy")).json()
+        assert status["gate_waiting_for"] == 1 and status["gate_holding"] == 3
+        published = (await client.post("/policy/publish", json=publish_body(1, a1))).json()
+        assert published["held_requests"] == 3 and published["hold_s"] >= 0.2
+        for t in held:
+            reply = await t
+            assert reply.status_code == 200 and reply.headers["x-policy-version"] == "1"
+        assert (await client.get("/policy")).json()["gate_waiting_for"] is None
+
+
+async def test_an_in_flight_request_finishes_on_the_old_version(tmp_path):
+    backend = ScriptedBackend()
+    backend.gate = asyncio.Event()  # the sampler holds this request mid-generation
+    client, _ = client_for(backend)
+    async with client:
+        running = asyncio.create_task(client.post("/generate", json=GEN))
+        await asyncio.sleep(0.1)
+        await client.post("/policy/expect", json={"version": 1, "hold_s": 30})
+        backend.gate.set()
+        assert (await running).headers["x-policy-version"] == "0"
+
+
+async def test_a_step_without_update_opens_the_gate(tmp_path):
+    client, _ = client_for(ScriptedBackend())
+    async with client:
+        await client.post("/policy/expect", json={"version": 1, "hold_s": 30})
+        held = asyncio.create_task(client.post("/generate", json=GEN))
+        await asyncio.sleep(0.1)
+        opened = (await client.post("/policy/expect", json={"version": 0})).json()
+        assert opened["holding_for"] is None and opened["held_requests"] == 1
+        assert (await held).headers["x-policy-version"] == "0"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"version": -1}, {"version": 1, "hold_s": 0}, {"version": 1, "hold_s": 1e9}, {"version": "1"}, {"v": 1}],
+)
+async def test_expect_refuses_bad_bodies(body):
+    client, _ = client_for(ScriptedBackend())
+    async with client:
+        r = await client.post("/policy/expect", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+async def test_expect_needs_the_publish_token():
+    client, _ = client_for(ScriptedBackend(), publish_token="s3cret-token-value")
+    async with client:
+        r = await client.post("/policy/expect", json={"version": 1})
+        assert r.status_code == 401
+
+
+class ProbedBackend(ScriptedBackend):
+    """Answers a probe with top logprobs {1: -0.1, 2: -0.2 - 0.1 * version}: each version its own distribution."""
+
+    async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
+        top = {"token_id:1": -0.1, "token_id:2": -0.2 - 0.1 * policy.version}
+        choice = {"logprobs": {"top_logprobs": [top]}, "token_ids": [1]}
+        return {"choices": [{"index": i, **choice} for i in range(len(body["prompt"]))]}
+
+
+def probe(version: int, shift: float = 0.0, tolerance: float = 1e-3) -> dict:
+    top = {"1": -0.1, "2": -0.2 - 0.1 * version + shift}
+    return {"prompts": [[3, 4], [5, 6]], "top_logprobs": [top, top], "tolerance": tolerance}
+
+
+async def test_a_verified_publish_serves_and_reports_the_difference(tmp_path):
+    client, _ = client_for(ProbedBackend())
+    async with client:
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": probe(1, shift=5e-4)}
+        r = await client.post("/policy/publish", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["verify_max_abs_diff"] == pytest.approx(5e-4) and r.json()["verify_s"] >= 0
+
+
+async def test_a_wrong_adapter_is_refused_unloaded_and_never_served(tmp_path):
+    backend = ProbedBackend()
+    client, reg = client_for(backend)
+    async with client:
+        await client.post("/policy/expect", json={"version": 1, "hold_s": 30})
+        # The trainer's logprobs are those of version 2's weights: not what was loaded as version 1.
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": probe(2)}
+        r = await client.post("/policy/publish", json=body)
+        assert r.status_code == 422
+        err = r.json()["error"]
+        assert err["type"] == "verification_failed" and err["max_abs_diff"] == pytest.approx(0.1)
+        assert "version 1" in err["message"] and "tolerance" in err["message"]
+        assert reg.current.version == 0 and backend.unloaded == ["policy-v1"]
+        # The gate still waits for version 1: a retried publish (the adapter written again) opens it.
+        assert (await client.get("/policy")).json()["gate_waiting_for"] == 1
+        retry = publish_body(1, make_adapter(tmp_path, "a1-again")) | {"probe": probe(1)}
+        assert (await client.post("/policy/publish", json=retry)).status_code == 200
+        assert reg.current.version == 1
+        assert (await client.get("/policy")).json()["gate_waiting_for"] is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"prompts": [[3, 4]]},
+        {"top_logprobs": [{"1": 0.5}, {"1": -0.1}]},
+        {"top_logprobs": [{"1": float("nan")}, {"1": -0.1}]},
+        {"top_logprobs": [{}, {"1": -0.1}]},
+        {"tolerance": 0},
+        {"prompts": [[], [1]]},
+    ],
+)
+async def test_malformed_probes_are_a_400(tmp_path, bad):
+    client, _ = client_for(ProbedBackend())
+    async with client:
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": probe(1) | bad}
+        r = await client.post("/policy/publish", content=json.dumps(body, allow_nan=True))
+        assert r.status_code == 400, r.text
+
+
+async def test_quota_holds_the_next_batch_for_the_next_version_and_refills_when_short():
+    running = {"n": 0}
+    gate = Gate(lambda: running["n"])
+    gate.set_quota(16, refill_s=0.2)
+    gate.open()  # a fresh version with its quota
+    assert await gate.wait(8) == 0.0 and await gate.wait(8) == 0.0
+    over = asyncio.create_task(gate.wait(8))  # the environment starting the next batch early
+    await asyncio.sleep(0.05)
+    assert not over.done() and gate.holding == 1
+    # The trainer takes the batch and publishes: the early request samples the new version.
+    gate.close(2, hold_s=30)
+    await asyncio.sleep(0.3)  # no refill while the gate waits for a version
+    assert not over.done()
+    gate.open()
+    assert await over > 0.3
+    # An environment that discarded groups is short of a batch: with nothing running, a refill lets it go on.
+    await gate.wait(8)
+    running["n"] = 1
+    short = asyncio.create_task(gate.wait(16))
+    await asyncio.sleep(0.3)
+    assert not short.done()  # something still runs on this version: its group may complete the batch
+    running["n"] = 0
+    gate.request_done()
+    await asyncio.sleep(0.3)
+    assert short.done() and gate.refills_total == 1
+
+
+async def test_a_request_larger_than_the_quota_still_starts_on_a_fresh_version():
+    gate = Gate()
+    gate.set_quota(4, refill_s=1.0)
+    gate.open()
+    assert await gate.wait(64) == 0.0
+
+
+async def test_the_gateway_applies_the_quota_per_version(tmp_path):
+    client, _ = client_for(ScriptedBackend())
+    async with client:
+        r = await client.post("/policy/expect", json={"version": 0, "quota": 2, "refill_s": 30})
+        assert r.status_code == 200 and r.json()["holding_for"] is None
+        body = {"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 4, "n": 2}
+        assert (await client.post("/generate", json=body)).headers["x-policy-version"] == "0"
+        early = asyncio.create_task(client.post("/generate", json=body))
+        await asyncio.sleep(0.2)
+        assert not early.done()
+        await client.post("/policy/expect", json={"version": 1, "quota": 2, "refill_s": 30})
+        await client.post("/policy/publish", json=publish_body(1, make_adapter(tmp_path, "a1")))
+        assert (await early).headers["x-policy-version"] == "1"
+
+
+class FlakyGateway:
+    """A gateway client whose publishes are refused by verification `refusals` times, then accepted."""
+
+    def __init__(self, refusals: int):
+        self.refusals = refusals
+        self.published: list[tuple[int, str | None, Any]] = []
+
+    def publish(self, version, adapter_path, replace_newer=False, probe=None):
+        from trainer.training.gateway_client import PublishResponse
+
+        self.published.append((version, adapter_path, probe))
+        if self.refusals:
+            self.refusals -= 1
+            body = {
+                "error": {
+                    "message": "publish verification failed",
+                    "type": "verification_failed",
+                    "code": 422,
+                    "max_abs_diff": 0.7,
+                }
+            }
+            request = httpx.Request("POST", "http://gw/policy/publish")
+            response = httpx.Response(422, json=body, request=request)
+            raise httpx.HTTPStatusError("422", request=request, response=response)
+        return PublishResponse(
+            version=version,
+            lora_name=f"policy-v{version}",
+            load_s=0.01,
+            unloaded=[],
+            verify_max_abs_diff=1e-6,
+            verify_s=0.01,
+        )
+
+
+class ProbingBackend:
+    vocab_size = 2048
+
+    def __init__(self, root):
+        self.root, self.saves = root, 0
+
+    def save_for_sampler(self, version: int) -> str:
+        self.saves += 1
+        folder = self.root / f"v{version:06d}"
+        folder.mkdir()  # never overwritten: a retry must have removed the refused folder first
+        return str(folder)
+
+    def probe(self, prompts, top_k):
+        return [{1: -0.1, 2: -2.5} for _ in prompts]
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_a_refused_publish_is_written_again_and_retried_then_stops_the_run(tmp_path, retries):
+    from tests.helpers import make_cfg
+    from trainer.training.publishing import Publisher, PublishUnverified
+
+    cfg = make_cfg(tmp_path, publish__verify_retries=retries)
+    backend = ProbingBackend(tmp_path)
+    gateway = FlakyGateway(refusals=retries)  # refused `retries` times: the last retry passes
+    outcome = Publisher(cfg, backend, gateway, overlap=False).start(1).result()  # type: ignore[arg-type]
+    assert outcome.failures == retries and backend.saves == retries + 1
+    assert outcome.worst_refused_diff == (0.7 if retries else None)
+    # vLLM's dtype is not stated in this config: 'auto' beside a float32 CPU trainer is float32, so the largest
+    # difference is held to the float32 tolerance.
+    assert all(
+        p is not None and len(p.prompts) == 4 and p.tolerance == FLOAT32_TOLERANCE and p.statistic == "max"
+        for _, _, p in gateway.published
+    )
+    # One refusal more than the retries: the run stops (exit code 3 in trainer/__main__.py), with the numbers.
+    gateway, backend = FlakyGateway(refusals=retries + 1), ProbingBackend(tmp_path / "again")
+    (tmp_path / "again").mkdir()
+    with pytest.raises(PublishUnverified, match=r"verification failed.*refused"):
+        Publisher(cfg, backend, gateway, overlap=True).start(1).result()  # type: ignore[arg-type]
+
+
+class UnansweringGateway:
+    """A gateway that is stopping: a publish is never answered."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def publish(self, version, adapter_path, replace_newer=False, probe=None):
+        self.release.wait(60)
+        raise httpx.ConnectError("the gateway went away")
+
+
+def test_a_stop_does_not_wait_for_a_publish_the_stopping_gateway_never_answers(tmp_path, monkeypatch):
+    """SIGTERM reaches the trainer and the gateway at once: the checkpoint must not wait on the publish in
+    flight. The trainer's weights are the new version's all the same, so the checkpoint records that version (the
+    resume publishes it again), and the stuck worker cannot hold the process open after it."""
+    from tests.helpers import make_cfg
+    from trainer.training import loop
+    from trainer.training.publishing import Publisher
+
+    monkeypatch.setattr(loop, "STOP_PUBLISH_WAIT_S", 0.3)
+    gateway = UnansweringGateway()
+    publisher = Publisher(make_cfg(tmp_path), ProbingBackend(tmp_path), gateway, overlap=True)  # type: ignore[arg-type]
+    pending = loop.PendingStep({}, loop.StepTimes(0.0), publisher.start(7), 7)
+    worker = next(t for t in threading.enumerate() if t.name == "publish-v7")
+    assert worker.daemon  # a non-daemon thread would be joined at exit, after the launcher's SIGKILL
+    started = time.monotonic()
+    assert loop._join_publish(pending, stopping=True) == (7, None)
+    assert time.monotonic() - started < 5
+    gateway.release.set()  # the gateway's connection drops: the same answer, and no wait at all
+    pending = loop.PendingStep({}, loop.StepTimes(0.0), publisher.start(8), 8)
+    assert loop._join_publish(pending, stopping=True) == (8, None)
+    with pytest.raises(httpx.ConnectError):  # not stopping: a failed publish is the run's error, as before
+        loop._join_publish(loop.PendingStep({}, loop.StepTimes(0.0), publisher.start(9), 9), stopping=False)
+    assert loop._join_publish(loop.PendingStep({}, loop.StepTimes(0.0), None), stopping=True) == (None, None)
+    publisher.close()
+
+
+@pytest.mark.parametrize(
+    ("config", "device", "expected"),
+    [
+        ("tiny_cpu.yaml", "cpu", (1e-3, "max")),
+        ("tiny_cpu.yaml", "cuda", (0.02, "mean")),  # the tiny recipe runs in bf16 on CUDA
+        ("gsm8k.yaml", "cuda", (0.02, "mean")),
+        ("gsm8k.yaml", "cpu", (0.02, "mean")),
+    ],
+)
+def test_the_verification_statistic_follows_the_dtypes(config, device, expected):
+    from trainer.training.config import RunConfig, load_config
+    from trainer.training.publishing import verify_tolerance
+
+    cfg = load_config(RunConfig, Path(__file__).resolve().parents[2] / "configs" / config)
+    assert verify_tolerance(cfg, device) == expected
+    cfg.publish.verify_tolerance = 0.05
+    assert verify_tolerance(cfg, device) == (0.05, expected[1])
+
+
+@pytest.mark.parametrize(("given", "gate"), [("on", "on"), ("off", "off"), ("auto", "auto"), ("'on'", "on")])
+def test_publish_gate_takes_bare_on_and_off(given, gate):
+    from trainer.training.config import RunConfig, load_config
+
+    assert load_config(RunConfig, None, [f"publish.gate={given}"]).publish.gate == gate
+
+
+class NoisyBackend(ScriptedBackend):
+    """A bf16-like vLLM: version v's answer to prompt p is logprob -0.5 * (1 + v) for ids 1..8, each moved by a
+    fixed +-noise (the same per id on every version, the base included), so the mean |diff| is `noise` exactly."""
+
+    def __init__(self, noise: float):
+        super().__init__()
+        self.noise = noise
+        self.probed: list[str] = []
+        self.answer_as: dict[int, int] = {}  # version -> the version whose weights vLLM actually answers with
+
+    async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
+        self.probed.append(policy.model_name)
+        version = self.answer_as.get(policy.version, policy.version)
+        top = {f"token_id:{t}": answer(version, t) + self.noise * (-1) ** t for t in range(1, 9)}
+        choice = {"logprobs": {"top_logprobs": [top]}, "token_ids": [1]}
+        return {"choices": [{"index": i, **choice} for i in range(len(body["prompt"]))]}
+
+
+def answer(version: int, token: int) -> float:
+    return -0.5 * (1 + version) - 0.01 * token
+
+
+def mean_probe(version: int, **references: int) -> dict:
+    def tops(v: int) -> list[dict[str, float]]:
+        return [{str(t): answer(v, t) for t in range(1, 9)}] * 2
+
+    return {
+        "prompts": [[3, 4], [5, 6]],
+        "top_logprobs": tops(version),
+        "tolerance": LOW_PRECISION_TOLERANCE,
+        "statistic": "mean",
+        "references": {name: tops(v) for name, v in references.items()},
+        "adapter_effect": 0.5 * version,
+    }
+
+
+async def test_the_mean_statistic_is_calibrated_on_the_base_and_passes_bf16_noise(tmp_path):
+    """Noise of 0.1 on every logprob (past any fixed max tolerance) passes once the base shows the same noise;
+    the tolerance is 4x the base's noise plus 3% of the adapter's effect."""
+    backend = NoisyBackend(noise=0.1)
+    client, reg = client_for(backend)
+    async with client:
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": mean_probe(1, base=0)}
+        r = await client.post("/policy/publish", json=body)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        assert reply["verify_noise"] == pytest.approx(0.1) and reply["verify_mean_abs_diff"] == pytest.approx(
+            0.1
+        )
+        assert reply["verify_tolerance"] == pytest.approx(4 * 0.1 + 0.03 * 0.5)
+        assert reply["verify_separation"] == pytest.approx(0.5 / reply["verify_tolerance"])
+        assert backend.probed == [
+            reg.base.model_name,
+            "policy-v1",
+        ]  # the base first, before any slot was used
+        # Calibrated once per gateway: the next publish probes only its own adapter.
+        body = publish_body(2, make_adapter(tmp_path, "a2")) | {"probe": mean_probe(2, base=0, previous=1)}
+        assert (await client.post("/policy/publish", json=body)).status_code == 200
+        assert backend.probed == [reg.base.model_name, "policy-v1", "policy-v2"]
+
+
+@pytest.mark.parametrize("served_as", ["previous", "base", "other"])
+async def test_the_mean_statistic_still_refuses_a_wrong_adapter(tmp_path, served_as):
+    """Under bf16-sized noise, the adapter served is the previous version's, no adapter at all, or another one:
+    refused, and nothing stays loaded under the refused version."""
+    backend = NoisyBackend(noise=0.05)
+    client, reg = client_for(backend)
+    async with client:
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": mean_probe(1, base=0)}
+        assert (await client.post("/policy/publish", json=body)).status_code == 200
+        backend.answer_as[2] = {"previous": 1, "base": 0, "other": 7}[served_as]
+        body = publish_body(2, make_adapter(tmp_path, "a2")) | {"probe": mean_probe(2, base=0, previous=1)}
+        r = await client.post("/policy/publish", json=body)
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["type"] == "verification_failed" and err["mean_abs_diff"] > err["tolerance"]
+        assert reg.current.version == 1 and backend.unloaded[-1] == "policy-v2"
+
+
+async def test_a_base_model_that_is_not_the_trainers_refuses_every_publish(tmp_path):
+    backend = NoisyBackend(noise=0.0)
+    client, reg = client_for(backend)
+    async with client:
+        probe = mean_probe(1, base=0)
+        probe["references"]["base"] = [{"100": -0.1, "101": -0.2}] * 2  # another model's top tokens
+        r = await client.post(
+            "/policy/publish", json=publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": probe}
+        )
+        assert r.status_code == 422 and "base model" in r.json()["error"]["message"]
+        assert reg.current.version == 0 and "policy-v1" not in backend.loaded
+
+
+async def test_probe_references_must_align_with_the_prompts(tmp_path):
+    client, _ = client_for(NoisyBackend(noise=0.0))
+    async with client:
+        probe = mean_probe(1, base=0)
+        probe["references"]["base"] = probe["references"]["base"][:1]
+        r = await client.post(
+            "/policy/publish", json=publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": probe}
+        )
+        assert r.status_code == 400 and "references.base" in r.text
+
+
+class ProbeRefusingBackend(NoisyBackend):
+    """vLLM refuses the probe request itself (e.g. a probe prompt past the context)."""
+
+    async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
+        if policy.version > 0:
+            from inference.errors import BackendError
+
+            raise BackendError(400, "This model's maximum context length is 4 tokens")
+        return await super().forward(path, body, policy)
+
+
+async def test_a_refused_probe_unwinds_and_the_version_can_be_published_again(tmp_path):
+    backend = ProbeRefusingBackend(noise=0.0)
+    client, reg = client_for(backend)
+    async with client:
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": mean_probe(1, base=0)}
+        assert (await client.post("/policy/publish", json=body)).status_code >= 400
+        assert reg.current.version == 0 and backend.unloaded == ["policy-v1"]  # nothing left loaded under v1
+        backend.__class__ = NoisyBackend  # vLLM takes the probe now: the same version publishes
+        again = publish_body(1, make_adapter(tmp_path, "a1-again")) | {"probe": mean_probe(1, base=0)}
+        r = await client.post("/policy/publish", json=again)
+        assert r.status_code == 200, r.text
+        assert reg.current.version == 1
+
+
+async def test_openapi_docs_are_off_unless_asked_for():
+    client, _ = client_for(ScriptedBackend())
+    async with client:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert (await client.get(path)).status_code == 404, path
+    client, _ = client_for(ScriptedBackend(), openapi_docs=True)
+    async with client:
+        assert (await client.get("/openapi.json")).status_code == 200

@@ -1,0 +1,420 @@
+"""The memory plan (trainer/orchestration/memory_plan.py) against memory measured on CPU: a small random Llama
+through the real LocalBackend, one micro-batch's forward and backward, peak bytes from the profiler's allocation
+events. Also the exact parts (weights, adapter, Adam), and the launcher's dry-run table and refusal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from trainer.backends.local import LocalBackend
+from trainer.orchestration.memory_plan import (
+    GiB,
+    ModelShape,
+    build_memory_plan,
+    build_trainer_plan,
+    check_fit,
+    compute_activation_bytes,
+    lora_parameter_count,
+)
+from trainer.training.backend import AdamParams
+from trainer.training.batch import TrainingExample
+from trainer.training.config import ConfigError, RunConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+}
+
+
+def cpu_peak_bytes(fn: Any) -> int:
+    """Peak of bytes allocated by `fn` above what was allocated before it: the running sum of the CPU allocator's
+    alloc (+) and free (-) events that the profiler records in order. Frees of older tensors count as negative,
+    so the peak is of live memory, not of new allocations alone."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_cpu_peak_bytes_measures_live_memory():
+    def work() -> None:
+        a = torch.empty(1 << 20, dtype=torch.uint8)
+        b = torch.empty(3 << 20, dtype=torch.uint8)
+        del a, b
+        c = torch.empty(2 << 20, dtype=torch.uint8)
+        del c
+
+    assert cpu_peak_bytes(work) == 4 << 20
+
+
+def small_cfg(tmp_path: Path, shape: dict[str, Any], **over: Any) -> RunConfig:
+    data: dict[str, Any] = {
+        "model": {
+            "path": "unused",
+            "device": "cpu",
+            "dtype": over.get("dtype", "float32"),
+            "gradient_checkpointing": over.get("gc", False),
+            "attn_implementation": over.get("attn"),
+        },
+        "lora": {"rank": 8, "target_modules": over.get("targets", "all-linear")},
+        "trainer": {
+            "output_dir": str(tmp_path),
+            "max_seq_len": shape["T"],
+            "micro_batch_tokens": shape["B"] * shape["T"],
+            "logprob_chunk_tokens": over.get("chunk", 256),
+        },
+    }
+    return RunConfig.model_validate(data)
+
+
+def build_backend(cfg: RunConfig, shape: dict[str, Any]) -> tuple[LocalBackend, dict[str, Any]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=shape["V"],
+        hidden_size=shape["h"],
+        intermediate_size=shape["I"],
+        num_hidden_layers=shape["L"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv"],
+        head_dim=shape["h"] // shape["heads"],
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(getattr(torch, cfg.model.dtype))
+    if cfg.model.attn_implementation:
+        model.config._attn_implementation = cfg.model.attn_implementation
+    return LocalBackend(cfg, model=model), config.to_dict()
+
+
+def padded_batch(shape: dict[str, Any]) -> list[TrainingExample]:
+    """B sequences, the longest T tokens, the others a little shorter (so a padding mask is passed, as in a run)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for b in range(shape["B"]):
+        n = shape["T"] - 8 * b
+        ids = torch.randint(0, shape["V"], (n,), generator=g).tolist()
+        out.append(TrainingExample(ids, ids, [1.0] * n, [-1.0] * n, [0.5] * n))
+    return out
+
+
+BASE = {"h": 256, "I": 688, "L": 4, "heads": 4, "kv": 2, "V": 4096, "B": 4, "T": 256}
+CASES = {
+    "fp32": ({}, {}),
+    "fp32-checkpointing": ({}, {"gc": True}),
+    "fp32-checkpointing-8-layers": ({"L": 8, "V": 8192}, {"gc": True}),
+    "fp32-checkpointing-wide": ({"h": 512, "I": 1376, "heads": 8, "kv": 4}, {"gc": True}),
+    "fp32-wide-mha": ({"h": 512, "I": 1376, "heads": 8, "kv": 8}, {}),
+    "fp32-big-chunk": ({}, {"chunk": 1024}),
+    "fp32-qv-only": ({}, {"targets": ["q_proj", "v_proj"]}),
+    "fp32-lm-head-lora": ({}, {"targets": ["q_proj", "v_proj", "down_proj", "lm_head"]}),
+    "fp32-eager": ({}, {"attn": "eager"}),
+    "bf16": ({"h": 128, "I": 352, "B": 8, "T": 128}, {"dtype": "bfloat16"}),
+    "bf16-checkpointing": ({"h": 128, "I": 352, "B": 8, "T": 128}, {"dtype": "bfloat16", "gc": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_activation_peak_matches_cpu_measurement(tmp_path, case):
+    shape_over, cfg_over = CASES[case]
+    shape = {**BASE, **shape_over}
+    cfg = small_cfg(tmp_path, shape, **cfg_over)
+    backend, config = build_backend(cfg, shape)
+    examples, loss = padded_batch(shape), cfg.loss.params()
+    backend.forward_backward(examples, loss)  # warm-up: lazily built kernels and caches are not the plan's
+    backend.optimizer.zero_grad(set_to_none=True)
+    measured = cpu_peak_bytes(lambda: backend.forward_backward(examples, loss))
+
+    model_shape = ModelShape.from_config(config)
+    act = compute_activation_bytes(
+        model_shape, cfg, 4 if cfg.model.dtype == "float32" else 2, cfg.model.gradient_checkpointing
+    )
+    lora_params, _ = lora_parameter_count(model_shape, cfg)
+    predicted = max(act["layers"], act["logprobs"]) + 4 * lora_params  # the gradients appear during backward
+    error = predicted / measured - 1
+    print(
+        f"{case}: measured {measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB ({error:+.1%})"
+    )
+    assert abs(error) < 0.15, f"{case}: measured {measured}, predicted {predicted} ({error:+.1%})"
+
+
+def test_weights_adapter_and_adam_parts_are_exact(tmp_path):
+    shape = {**BASE, "L": 2}
+    cfg = small_cfg(tmp_path, shape, targets=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "lm_head"])
+    backend, config = build_backend(cfg, shape)
+    adam = AdamParams(
+        learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=1.0
+    )
+    backend.train_step(padded_batch(shape), cfg.loss.params(), "sum", adam)
+    plan, _ = build_trainer_plan(ModelShape.from_config(config), cfg, on_cuda=False)
+    parts = {p.name: p.bytes for p in plan.parts}
+
+    base = sum(p.numel() * p.element_size() for p in backend.model.parameters() if not p.requires_grad)
+    lora = sum(p.numel() * p.element_size() for p in backend.model.parameters() if p.requires_grad)
+    adam_state = sum(
+        t.numel() * t.element_size()
+        for s in backend.optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )
+    assert parts["base weights (float32)"] == base
+    assert parts["LoRA parameters (float32)"] == parts["LoRA gradients (float32)"] == lora
+    assert parts["Adam moments (2 x float32)"] == adam_state
+
+
+def gateway_for(cfg: RunConfig) -> dict[str, Any]:
+    from inference.config import GatewayConfig
+
+    section = {
+        **cfg.inference,
+        "keep_versions": cfg.inference.get("keep_versions", cfg.rollout.max_staleness),
+    }
+    return GatewayConfig.model_validate(section).model_dump(mode="json")
+
+
+def test_the_reference_run_fits_an_80_gib_gpu_and_is_refused_on_40_naming_the_knobs():
+    cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml")
+    gateway = gateway_for(cfg)
+    fits = build_memory_plan(cfg, LLAMA_8B, gateway, 80 * GiB, on_cuda=True)
+    assert check_fit(fits, cfg, gateway) == []
+    assert fits.shared_replicas == 1 and 20 * GiB < fits.trainer.total < 40 * GiB
+
+    small = build_memory_plan(cfg, LLAMA_8B, gateway, 40 * GiB, on_cuda=True)
+    problems = "\n".join(check_fit(small, cfg, gateway))
+    for knob in ("inference.vllm.gpu_memory_utilization=0.35", "trainer.micro_batch_tokens", "max_model_len"):
+        assert knob in problems, problems
+
+    off = cfg.model_copy(deep=True)
+    off.model.gradient_checkpointing = False
+    problems = "\n".join(
+        check_fit(build_memory_plan(off, LLAMA_8B, gateway, 80 * GiB, on_cuda=True), off, gateway)
+    )
+    assert "set model.gradient_checkpointing=true" in problems, problems
+
+
+def test_separate_gpus_are_checked_each_on_its_own():
+    cfg = load_config(
+        RunConfig,
+        ROOT / "configs" / "gsm8k.yaml",
+        [
+            "distributed.devices='1'",
+            "inference.vllm.replica_devices=['0']",
+            "inference.vllm.gpu_memory_utilization=0.9",
+        ],
+    )
+    gateway = gateway_for(cfg)
+    plan = build_memory_plan(cfg, LLAMA_8B, gateway, 80 * GiB, on_cuda=True)
+    assert plan.shared_replicas == 0 and check_fit(plan, cfg, gateway) == []
+
+
+def test_a_cpu_run_is_planned_but_never_refused():
+    cfg = load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml", ["launch.gpu_memory_gib=0.001"])
+    from trainer.orchestration.preflight import plan_memory
+
+    lines, problems = plan_memory(cfg, "tiny", gateway_for(cfg), dry_run=False)
+    assert problems == [] and any("on CPU" in line for line in lines)
+
+
+def write_model_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "llama-8b-config"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
+    return folder
+
+
+def test_dry_run_prints_the_plan_and_exits_2_when_a_stated_gpu_is_too_small(tmp_path, capsys):
+    from trainer.orchestration.launcher import main
+
+    folder = write_model_folder(tmp_path)
+    args = ["gsm8k", "--dry-run", f"model.path={folder}", f"trainer.output_dir={tmp_path / 'run'}"]
+    assert main([*args, "launch.gpu_memory_gib=80"]) == 0
+    out = capsys.readouterr().out
+    for needle in (
+        "# memory plan",
+        "base weights (bfloat16)",
+        "Adam moments",
+        "activations, checkpointing on",
+        "KV cache",
+        "LoRA slots",
+        "CUDA graphs (vLLM's estimate)",
+        "on one 80.00 GiB GPU",
+        "vLLM KV cache per replica:",
+        "step batches",
+    ):
+        assert needle in out, needle
+    assert main([*args, "launch.gpu_memory_gib=40"]) == 2
+    assert "trainer.micro_batch_tokens" in capsys.readouterr().err
+
+
+def test_a_real_launch_refuses_before_starting_anything(tmp_path):
+    from trainer.orchestration.launcher import check_memory
+
+    folder = write_model_folder(tmp_path)
+    cfg = load_config(
+        RunConfig,
+        ROOT / "configs" / "gsm8k.yaml",
+        ["model.device=cuda", "launch.gpu_memory_gib=24", f"trainer.output_dir={tmp_path / 'run'}"],
+    )
+    with pytest.raises(ConfigError, match="does not fit its GPU") as err:
+        check_memory(cfg, str(folder))
+    assert "inference.vllm.gpu_memory_utilization" in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_default_utilization_is_vllm_0_32s_own():
+    import importlib.util
+    import re
+
+    from trainer.orchestration.memory_plan import VLLM_DEFAULT_UTILIZATION
+
+    cfg = load_config(
+        RunConfig, ROOT / "configs" / "gsm8k.yaml", ["inference.vllm.gpu_memory_utilization=null"]
+    )
+    plan = build_memory_plan(cfg, LLAMA_8B, gateway_for(cfg), 80 * GiB, on_cuda=True)
+    assert VLLM_DEFAULT_UTILIZATION == 0.92 and plan.vllm_facts["budget"] == int(0.92 * 80 * GiB)
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed: its source cannot be compared")
+    source = (Path(next(iter(spec.submodule_search_locations))) / "config" / "cache.py").read_text()
+    found = re.search(r"gpu_memory_utilization: float = Field\(\s*default=([0-9.]+)", source)
+    assert found is not None and float(found.group(1)) == VLLM_DEFAULT_UTILIZATION
+
+
+def test_cuda_graph_counts_follow_vllms_capture_rules():
+    from trainer.orchestration.memory_plan import VLLMSettings, capture_sizes, count_cuda_graphs
+
+    # A published vLLM start-up log (max_num_seqs 256, 2048 batched tokens, no LoRA) reads "Profiling CUDA graph
+    # memory: PIECEWISE=51 (largest=512), FULL=35 (largest=256)".
+    sizes = capture_sizes(256, 2048)
+    assert (len(sizes), sizes[-1]) == (51, 512)
+    v = VLLMSettings("bfloat16", 32, 5, 2048, None, None, None, None, None)
+    assert count_cuda_graphs(v, 256, 2048, lora=False) == (51, 35)
+    assert count_cuda_graphs(v, 256, 2048, lora=True) == (102, 70)  # without and with LoRA active
+    assert capture_sizes(4, 8192) == [1, 2, 4, 8]  # ceiling 2 x max_num_seqs; max_num_seqs itself included
+    assert capture_sizes(1024, 100)[-1] == 100  # max_num_batched_tokens under the ceiling is captured
+    eager = VLLMSettings("bfloat16", 32, 5, 2048, None, None, None, None, None, enforce_eager=True)
+    assert count_cuda_graphs(eager, 256, 2048, lora=True) == (0, 0)
+
+
+def test_the_kv_cache_is_the_budget_less_weights_slots_activations_and_cuda_graphs():
+    cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml")
+    gateway = gateway_for(cfg)
+    plan = build_memory_plan(cfg, LLAMA_8B, gateway, 80 * GiB, on_cuda=True)
+    assert plan.vllm is not None
+    parts = {p.name: p.bytes for p in plan.vllm.parts}
+    graphs = parts["CUDA graphs (vLLM's estimate)"]
+    assert 1 * GiB < graphs < 2 * GiB and plan.vllm_facts["graphs"] == 204  # 51 sizes x 2 modes x 2 (LoRA)
+    inside = sum(b for name, b in parts.items() if name not in ("KV cache", "CUDA context, NCCL (allowance)"))
+    assert parts["KV cache"] == int(0.35 * 80 * GiB) - inside
+    # vLLM's CUDA context sits outside its budget but not outside the GPU: the share the trainer must leave.
+    assert plan.vllm_facts["share"] == plan.vllm.total == plan.vllm_facts["budget"] + GiB
+
+    eager_gateway = {**gateway, "vllm": {**gateway["vllm"], "enforce_eager": True}}
+    eager = build_memory_plan(cfg, LLAMA_8B, eager_gateway, 80 * GiB, on_cuda=True)
+    assert eager.vllm_facts["kv"] - plan.vllm_facts["kv"] == graphs
+    on_cpu = build_memory_plan(cfg, LLAMA_8B, gateway, 80 * GiB, on_cuda=False)
+    assert on_cpu.vllm_facts["graphs"] == 0  # vLLM's CPU platform captures none
+
+
+def test_the_plan_says_how_much_of_a_step_the_kv_cache_holds():
+    from trainer.orchestration.memory_plan import format_plan
+
+    cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml")
+    plan = build_memory_plan(cfg, LLAMA_8B, gateway_for(cfg), 80 * GiB, on_cuda=True)
+    f = plan.vllm_facts
+    per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads of 128, bf16
+    assert f["kv_tokens"] == f["kv"] // (per_token * 16) * 16
+    line = [x for x in format_plan(plan, "launch.gpu_memory_gib") if "vLLM KV cache per replica" in x]
+    assert line == [
+        f"  vLLM KV cache per replica: {f['kv_tokens']} tokens = {f['kv_tokens'] / 2048:.1f} sequences of "
+        "max_model_len 2048; a step samples 128 sequences (8 groups x 16) of up to 1024 tokens "
+        f"(rollout.max_token_length, prompt + completion): {f['kv_tokens'] // 1024} fit at once = "
+        f"{f['kv_tokens'] // 1024 / 128:.2f} step batches"
+    ]
+    # gsm8k's 0.35 of 80 GiB: about 8 GiB of KV cache, half of one step's worst-case sequences at once.
+    assert 60_000 < f["kv_tokens"] < 70_000 and f["sequences_at_once"] == 64
+
+
+def trainer_argv(tmp_path: Path, overrides: list[str]) -> list[str]:
+    from trainer.orchestration.commands import build_components
+
+    cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml", overrides)
+    (trainer,) = [c for c in build_components(cfg, tmp_path, "/m") if c.name == "trainer"]
+    return trainer.argv
+
+
+def env_seen_by(argv: list[str], name: str) -> str | None:
+    """The value of `name` in the environment the trainer's command line gives its Python (run for real, with the
+    trainer's own prefix and a one-line program in place of `-m trainer ...`)."""
+    import subprocess
+    import sys
+
+    prefix = argv[: argv.index(sys.executable)] if sys.executable in argv else []
+    script = f"import os; print(os.environ.get({name!r}, '<unset>'))"
+    out = subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    value = out.stdout.strip()
+    return None if value == "<unset>" else value
+
+
+def test_the_trainer_starts_with_expandable_segments_unless_the_user_chose(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    argv = trainer_argv(tmp_path, ["model.device=cuda", "distributed.devices='1'"])
+    assert env_seen_by(argv, "PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True"
+    assert env_seen_by(argv, "CUDA_VISIBLE_DEVICES") == "1"
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    argv = trainer_argv(tmp_path, ["model.device=cuda"])
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" not in argv
+    assert env_seen_by(argv, "PYTORCH_CUDA_ALLOC_CONF") == "backend:cudaMallocAsync"
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # torch's newer name counts too
+    assert env_seen_by(trainer_argv(tmp_path, ["model.device=cuda"]), "PYTORCH_CUDA_ALLOC_CONF") is None
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    assert env_seen_by(trainer_argv(tmp_path, ["model.device=cpu"]), "PYTORCH_CUDA_ALLOC_CONF") is None
+
+
+def test_a_dry_run_writes_nothing(tmp_path, monkeypatch, capsys):
+    """`launch.sh ENV --dry-run` prints the run folder it would use and leaves no folder behind (in the runs folder,
+    or in the directory it was started from)."""
+    from trainer.orchestration import launcher
+
+    runs, cwd = tmp_path / "runs", tmp_path / "cwd"
+    runs.mkdir()
+    cwd.mkdir()
+    monkeypatch.setattr(launcher, "RUNS", runs)
+    monkeypatch.chdir(cwd)
+    assert launcher.main(["toy", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--dry-run"]) == 0
+    assert f"output_dir: {runs}/toy-" in capsys.readouterr().out
+    # `launch.sh service --dry-run` likewise: no service folder, no logs folder.
+    from trainer.orchestration import service_launch
+
+    tiny = str(ROOT / "configs" / "tiny_cpu.yaml")
+    assert service_launch.main(["--config", tiny, "--dry-run", f"service.output_dir={runs / 'service'}"]) == 0
+    assert list(runs.iterdir()) == [] and list(cwd.iterdir()) == []

@@ -4,7 +4,8 @@ python -m trainer run --config RUN_DIR/config.yaml                   # the train
 python -m trainer config --config configs/gsm8k.yaml optim.lr=2e-5   # print the resolved config (YAML)
 python -m trainer tiny-model [--out DIR] [--seed N]                  # build/cache the offline tiny model
 python -m trainer summary RUN_DIR [RUN_DIR ...]                      # a run in a few lines
-python -m trainer report RUN_DIR [RUN_DIR ...] --out DIR             # side-by-side comparison report
+python -m trainer report RUN_DIR                                     # one run's report, into RUN_DIR/report
+python -m trainer report RUN_DIR RUN_DIR [...] --out DIR             # side-by-side comparison report
 
 Benchmarks and the soak test are `python -m benchmarks ...` (see `python -m benchmarks --help`).
 """

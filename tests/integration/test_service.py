@@ -171,11 +171,21 @@ def test_save_and_load_state_round_trip_exactly(service):
     assert all(torch.equal(saved[k], copied[k]) for k in saved)
 
 
-@pytest.mark.parametrize("loss", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "grpo"])
+@pytest.mark.parametrize(
+    "loss", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "grpo", "gspo"]
+)
 def test_every_loss_runs_through_the_sdk(service, loss):
     url, _ = service
     tc = client(url).create_lora_training_client(base_model="tiny", rank=4).result()
     data = BATCH
+    if loss == "gspo":  # the sampled tokens make each sequence's ratio
+        data = [
+            types.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={**d.loss_fn_inputs, "sequence_ratio_mask": [0.0] * 2 + [1.0] * 4},
+            )
+            for d in BATCH
+        ]
     if loss == "cross_entropy":
         data = [
             types.Datum(
@@ -195,7 +205,7 @@ def test_refusals_reach_the_sdk_as_errors_and_the_client_goes_on(service):
     url, _ = service
     tc = client(url).create_lora_training_client(base_model="tiny", rank=4).result()
     with pytest.raises(tinker.RequestFailedError, match="not supported here"):
-        tc.forward_backward(BATCH, "gspo").result()
+        tc.forward_backward(BATCH, "stable_reinforce").result()
     bad_shape = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3]}
     )

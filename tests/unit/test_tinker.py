@@ -86,6 +86,24 @@ def test_tinker_path_gives_the_local_loss_and_gradients(fake_root, examples, tok
             assert torch.allclose(remote_grads[n], p.grad, atol=1e-6), n
 
 
+def test_gspo_datums_mark_the_trained_tokens_for_the_sequence_ratio(examples):
+    from trainer.backends.tinker import build_datums, loss_fn_config
+    from trainer.training.batch import examples_to_tensors
+    from trainer.training.losses import compute_reduction_weights
+
+    tensors = examples_to_tensors(list(examples[:3]))
+    weights_BT = compute_reduction_weights(tensors["mask_BT"], "sum", 0.0, 0)
+    datums = build_datums(examples[:3], LossParams("gspo"), weights_BT, tensors)
+    for example, datum in zip(examples[:3], datums, strict=True):
+        mask = datum.loss_fn_inputs["sequence_ratio_mask"].tolist()
+        assert mask == [float(m != 0) for m in example.loss_mask] and 0 < sum(mask) < len(mask)
+    assert loss_fn_config(LossParams("gspo")) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert (
+        "sequence_ratio_mask"
+        not in build_datums(examples[:1], LossParams("ppo"), weights_BT, tensors)[0].loss_fn_inputs
+    )
+
+
 def test_train_step_save_and_resume(fake_root, examples, tokenizer_path):
     from transformers import AutoTokenizer
 

@@ -41,6 +41,7 @@ TINKER_LOSS = {
     "ppo": "ppo",
     "cispo": "cispo",
     "grpo": "ppo",
+    "gspo": "gspo",
 }
 STATE_FILE = "tinker_state.json"
 
@@ -136,6 +137,8 @@ def build_datums(
             inputs["advantages"] = tinker.TensorData.from_torch(
                 tensors["advantages_BT"][b, :n].float() * scale
             )
+        if loss.name == "gspo":  # the trained tokens make the sequence ratio, as the local backend's default
+            inputs["sequence_ratio_mask"] = tinker.TensorData.from_torch((mask != 0).float())
         datums.append(
             tinker.Datum(model_input=tinker.ModelInput.from_ints(ex.input_ids), loss_fn_inputs=inputs)
         )
@@ -143,7 +146,7 @@ def build_datums(
 
 
 def loss_fn_config(loss: LossParams) -> dict[str, float] | None:
-    if loss.name not in ("ppo", "grpo", "cispo"):
+    if loss.name not in ("ppo", "grpo", "gspo", "cispo"):
         return None
     low, high = loss.clip_bounds()
     return {"clip_low_threshold": low, "clip_high_threshold": high}

@@ -1,9 +1,10 @@
 """The process supervisor behind launch.sh: resolve and validate the run config, write the run folder, start
-run-api, the gateway (with vLLM), the environment(s) and the trainer in that order, each after the previous one is
-healthy; then supervise the run (trainer/orchestration/supervisor.py: one line per step, a component that dies is
-restarted within launch.max_restarts_per_hour), and stop everything it started (its own children, by PID/process
-group) on Ctrl-C, SIGTERM, a death past the restart budget, or the end of the run. A resumed run that already
-reached its step count exits 0 without starting anything.
+run-api and the gateway (with vLLM), the environment(s) once the gateway is healthy, and the trainer (while vLLM
+boots where the two share no GPU: start_all); then supervise the run (trainer/orchestration/supervisor.py: one line
+per step, a component that dies is restarted within launch.max_restarts_per_hour), and stop everything it started
+(its own children, by PID/process group) on Ctrl-C, SIGTERM, a death past the restart budget, or the end of the
+run; then write the run's report into RUN_DIR/report/ (however the run ended). A resumed run that already reached
+its step count exits 0 without starting anything.
 
     python -m trainer.orchestration.launcher ENV [--backend local|tinker] [--config FILE] [--dry-run]
                                              [--resume RUN_DIR] [k=v ...]
@@ -352,17 +353,53 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     print(f"run folder: {run_dir}{' (resumed)' if resumed else ''}", flush=True)
+    ended = "failed"
     try:
         start_all(components, cfg, run_dir)
         print("all components up; training", flush=True)
-        return Supervisor(components, cfg, run_dir).run()
+        code = Supervisor(components, cfg, run_dir).run()
+        ended = "finished"
+        return code
     except KeyboardInterrupt:
         print(f"launch.sh: stopping on signal {stopping['signal'] or 'SIGINT'}", file=sys.stderr)
+        ended = f"stopped by {signal.Signals(stopping['signal'] or signal.SIGINT).name}"
         return 128 + (stopping["signal"] or signal.SIGINT)
+    except LaunchError as exc:
+        ended = f"failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        raise
     finally:
         stop_all(components)
+        # While our handlers stand: a second Ctrl-C cuts the report short, not the launcher.
+        write_report(run_dir, ended)
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+REPORT_TIMEOUT_S = 20.0  # a 30-step run takes 1.5-3 s, a 100k-step one about 10 s (2-core box)
+
+
+def write_report(run_dir: Path, ended: str) -> None:
+    """RUN_DIR/report/ (`python -m trainer report RUN_DIR`), rewritten whenever a run ends, stops or fails. In a
+    child process with a deadline: matplotlib's import stays out of the launcher, and neither a slow nor a failing
+    report can hold up or fail the launcher's exit; whatever happens is one line."""
+    argv = [PY, "-m", "trainer.readout.report", str(run_dir), "--ended", ended]
+    by_hand = f"write it with: {PY} -m trainer report {run_dir}"
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=REPORT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"launch.sh: no report: it took over {REPORT_TIMEOUT_S:.0f} s; {by_hand}", flush=True)
+        return
+    except KeyboardInterrupt:
+        print(f"launch.sh: report cut short by a signal; {by_hand}", flush=True)
+        return
+    except OSError as exc:
+        print(f"launch.sh: no report ({exc}); {by_hand}", flush=True)
+        return
+    if proc.returncode == 0 and proc.stdout.strip():
+        print(f"report: {proc.stdout.strip().splitlines()[-1]}", flush=True)
+        return
+    why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    print(f"launch.sh: no report ({why}); {by_hand}", flush=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

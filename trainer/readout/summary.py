@@ -6,6 +6,9 @@ verification cost, the stale fraction, reward at the start and end and when it f
 
 A folder of the Tinker-protocol service (one per training client, rows with a "call") gets its own summary: calls
 by kind, tokens trained and sampled, seconds per call, and the loss of the first and last forward_backward.
+
+A half-written last line, a missing metrics.jsonl or rows without some keys are summarised as they are: "problems"
+says what could not be read.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any
+
+from trainer.readout.runfolder import ELAPSED, number, numbers, read_metrics
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -30,29 +35,35 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    def med(key: str) -> float | None:
-        values = [r[key] for r in rows if r.get(key) is not None]
+    """Rows may lack keys or hold None (a step without an update, a publish a stop cut short): each figure uses
+    the rows that have it, and is None when none do."""
+
+    def med(key: str, among: list[dict[str, Any]] = rows) -> float | None:
+        values = numbers(among, key)
         return statistics.median(values) if values else None
 
-    def total(key: str) -> float:
-        return sum(r.get(key) or 0.0 for r in rows)
+    def total(key: str, among: list[dict[str, Any]] = rows) -> float:
+        return sum(numbers(among, key))
 
-    rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
+    rewards = numbers(rows, "reward/mean")
     step_total = total("time/step_s")
     updates = [r for r in rows if r.get("loss") is not None]
     # None: a publish a stop cut short (the resume publishes that version again).
-    publishes = [r["time/publish_s"] for r in updates if r.get("time/publish_s") is not None]
+    publishes = numbers(updates, "time/publish_s")
     # A publish overlapped with the next batch's wait is off the trainer's path: only inline ones add to wall time.
-    inline_publish = sum(
-        r.get("time/publish_s") or 0.0 for r in updates if not r.get("time/publish_overlapped")
-    )
-    verify = [r["publish/verify_s"] for r in updates if r.get("publish/verify_s") is not None]
+    inline_publish = total("time/publish_s", [r for r in updates if not r.get("time/publish_overlapped")])
+    verified = [r for r in updates if number(r, "publish/verify_s") is not None]
+    verify = numbers(verified, "publish/verify_s")
+    verified_publish = total("time/publish_s", verified)
     taken = total("rollouts/sequences_taken")
-    reached = next((r for r in rows if (r.get("reward/mean") or 0.0) >= 0.8), None)
+    reached = next((r for r in rows if (number(r, "reward/mean") or 0.0) >= 0.8), None)
+    staleness = numbers(rows, "policy/staleness_mean")
+    verify_diffs = numbers(updates, "publish/verify_max_abs_diff")
+    logprob_diffs = numbers(updates, "importance/logprob_diff_mean")
     return {
         "steps": len(rows),
         "updates": len(updates),
-        "final_policy_version": rows[-1]["policy_version"] if rows else 0,
+        "final_policy_version": int(_last(rows, "policy_version") or 0),
         "step_s_median": med("time/step_s"),
         "wait_s_median": med("time/wait_for_batch_s"),
         "train_s_median": med("time/train_s"),
@@ -67,31 +78,29 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "publish_share": inline_publish / step_total if step_total else None,
         "verify_s_median": statistics.median(verify) if verify else None,
-        "verify_share_of_publish": (
-            sum(verify) / sum(r["time/publish_s"] for r in updates if r.get("publish/verify_s") is not None)
-            if verify
-            else None
-        ),
-        "verify_max_abs_diff_max": max(
-            (
-                r["publish/verify_max_abs_diff"]
-                for r in updates
-                if r.get("publish/verify_max_abs_diff") is not None
-            ),
-            default=None,
-        ),
+        "verify_share_of_publish": sum(verify) / verified_publish if verify and verified_publish else None,
+        "verify_max_abs_diff_max": max(verify_diffs, default=None),
         "reward_first3": statistics.fmean(rewards[:3]) if rewards else None,
         "reward_last3": statistics.fmean(rewards[-3:]) if rewards else None,
-        "staleness_mean": statistics.fmean(r["policy/staleness_mean"] for r in rows) if rows else None,
+        "staleness_mean": statistics.fmean(staleness) if staleness else None,
         "dropped_stale_total": total("rollouts/dropped_stale"),
         "stale_fraction": total("rollouts/dropped_stale") / taken if taken else None,
         "steps_without_update": len(rows) - len(updates),
         "gateway_hold_s_median": med("gateway/hold_s"),
-        "step_reaching_reward_0.8": reached["step"] if reached else None,
-        "wall_s_to_reward_0.8": reached["wall_s"] if reached else None,
-        "logprob_diff_mean_max": max((r["importance/logprob_diff_mean"] for r in updates), default=None),
-        "wall_s": rows[-1]["wall_s"] if rows else None,
+        "step_reaching_reward_0.8": reached.get("step") if reached else None,
+        "wall_s_to_reward_0.8": _wall_s(reached) if reached else None,
+        "logprob_diff_mean_max": max(logprob_diffs, default=None),
+        "wall_s": _wall_s(rows[-1]) if rows else None,
     }
+
+
+def _wall_s(row: dict[str, Any]) -> float | None:
+    """Wall time summed over a resumed run's segments where read_metrics added it, else the row's own clock."""
+    return number(row, ELAPSED) if ELAPSED in row else number(row, "wall_s")
+
+
+def _last(rows: list[dict[str, Any]], key: str) -> float | None:
+    return next((v for r in reversed(rows) if (v := number(r, key)) is not None), None)
 
 
 def summarize_service_client(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -101,20 +110,32 @@ def summarize_service_client(rows: list[dict[str, Any]]) -> dict[str, Any]:
         calls.setdefault(str(r.get("call")), []).append(r)
     fb = calls.get("forward_backward", [])
     samples = calls.get("sample", [])
-    secs = {
-        k: statistics.median(r["seconds"] for r in v) for k, v in calls.items() if v and "seconds" in v[0]
-    }
+    secs = {k: statistics.median(s) for k, v in calls.items() if (s := numbers(v, "seconds"))}
+    losses = numbers(fb, "loss")
+    unix = numbers(rows, "unix_time")
     return {
         "model_id": rows[0].get("model_id") if rows else None,
         "calls": {k: len(v) for k, v in calls.items()},
         "optim_steps": len(calls.get("optim_step", [])),
-        "tokens_trained": sum(r.get("tokens") or 0 for r in fb),
-        "tokens_sampled": sum(r.get("sampled_tokens") or 0 for r in samples),
+        "tokens_trained": sum(numbers(fb, "tokens")),
+        "tokens_sampled": sum(numbers(samples, "sampled_tokens")),
         "seconds_median_by_call": secs,
-        "loss_first": fb[0]["loss"] if fb else None,
-        "loss_last": fb[-1]["loss"] if fb else None,
-        "wall_s": rows[-1]["unix_time"] - rows[0]["unix_time"] if len(rows) > 1 else 0.0,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "wall_s": unix[-1] - unix[0] if len(unix) > 1 else 0.0,
     }
+
+
+def summarize_folder(folder: Path) -> dict[str, Any]:
+    """A run folder's or a service client's summary, with what could not be read said under "problems"."""
+    if not folder.is_dir():
+        return {"problems": [f"{folder} is not a folder"]}
+    metrics = read_metrics(folder / "metrics.jsonl")
+    rows = metrics.rows
+    out = summarize_service_client(rows) if rows and "call" in rows[0] else summarize(rows)
+    if metrics.problems:
+        out["problems"] = metrics.problems
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -126,13 +147,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "folders", nargs="+", metavar="FOLDER", help="a run folder or a service client's folder"
     )
-    out = {}
-    for run_dir in parser.parse_args(argv).folders:
-        path = Path(run_dir) / "metrics.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
-        out[run_dir] = summarize_service_client(rows) if rows and "call" in rows[0] else summarize(rows)
+    folders = parser.parse_args(argv).folders
+    out = {f: summarize_folder(Path(f)) for f in folders}
     print(json.dumps(out, indent=2))
-    return 0
+    # Exit 2 only when no folder given was there at all: anything else is summarised as it is.
+    return 2 if all(not Path(f).is_dir() for f in folders) else 0
 
 
 if __name__ == "__main__":

@@ -313,7 +313,12 @@ class Service:
         name = self.model_name(call.model_id)
         started = time.perf_counter()
         logprobs, loss, metrics = self.policies.forward_backward(
-            name, call.examples, call.loss, backward=not call.forward_only
+            name,
+            call.examples,
+            call.loss,
+            backward=not call.forward_only,
+            soft_targets=call.soft_targets,
+            sequence_masks=call.sequence_masks,
         )
         self.record(
             call.model_id,

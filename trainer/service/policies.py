@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -27,10 +28,17 @@ from trainer.backends.local import (
     resolve_model_path,
     write_peft_adapter,
 )
+from trainer.service.wire import SoftTargets
 from trainer.training.backend import AdamParams
 from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
 from trainer.training.config import RunConfig
-from trainer.training.losses import LossInputs, LossParams, compute_loss, compute_reduction_weights
+from trainer.training.losses import (
+    LossInputs,
+    LossParams,
+    compute_loss,
+    compute_reduction_weights,
+    soft_cross_entropy,
+)
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -151,46 +159,107 @@ class MultiLora:
     # --- training ---------------------------------------------------------------------------------------------
 
     def forward_backward(
-        self, name: str, examples: Sequence[TrainingExample], loss: LossParams, backward: bool
-    ) -> tuple[list[list[float]], float, dict[str, float]]:
-        """Target logprobs per example, the summed loss (Tinker's reduction), and its gradients accumulated into the
-        client's adapter when `backward`."""
+        self,
+        name: str,
+        examples: Sequence[TrainingExample],
+        loss: LossParams,
+        backward: bool,
+        soft_targets: Sequence[SoftTargets | None] = (),
+        sequence_masks: Sequence[list[float] | None] = (),
+    ) -> tuple[list[np.ndarray], float, dict[str, float]]:
+        """Target logprobs per example ((N,) or, for (N, K) soft_targets, (N, K)), the summed loss (Tinker's
+        reduction), and its gradients accumulated into the client's adapter when `backward`. sequence_masks: gspo's
+        sequence_ratio_mask per example (None: its trained tokens)."""
         started = time.perf_counter()
         self._activate(name)
         self.peft.train(backward)
-        logprobs: dict[int, list[float]] = {}
+        soft = list(soft_targets) or [None] * len(examples)
+        masks = list(sequence_masks) or [None] * len(examples)
+        logprobs: dict[int, np.ndarray] = {}
         total = 0.0
         budget = self.cfg.trainer.micro_batch_tokens
         with torch.enable_grad() if backward else torch.no_grad():
             for plan in plan_micro_batches([len(e) for e in examples], budget):
-                batch = {
-                    k: v.to(self.device) for k, v in examples_to_tensors([examples[i] for i in plan]).items()
-                }
-                # Every real token's logprob, whatever its weight: forward() answers them all (a custom loss
-                # gets them from a cross_entropy forward whose weights are zero).
-                lp_BT = self.net(
-                    batch["input_ids_BT"],
-                    batch["attention_mask_BT"],
-                    batch["target_ids_BT"],
-                    batch["attention_mask_BT"],
-                    None,
-                )
-                inputs = LossInputs(
-                    trainer_logprobs_BT=lp_BT,
-                    sampler_logprobs_BT=batch["sampler_logprobs_BT"],
-                    advantages_BT=batch["advantages_BT"],
-                    mask_BT=batch["mask_BT"],
-                    reduction_weights_BT=compute_reduction_weights(batch["mask_BT"], "sum", 0.0, 0),
-                )
-                value, _ = compute_loss(inputs, loss)
+                chunk = [examples[i] for i in plan]
+                batch = {k: v.to(self.device) for k, v in examples_to_tensors(chunk).items()}
+                if any(soft[i] is not None for i in plan):
+                    value, lp_BT = self._soft_step(batch, chunk, [soft[i] for i in plan])
+                else:
+                    value, lp_BT = self._step(batch, chunk, [masks[i] for i in plan], loss)
                 if backward:
                     value.backward()
                 total += float(value.detach().item())
                 for row, i in enumerate(plan):
-                    logprobs[i] = lp_BT[row, : len(examples[i])].detach().float().cpu().tolist()
+                    out = lp_BT[row, : len(examples[i])]
+                    target = soft[i]
+                    if target is not None:
+                        out = out[:, : target.target_ids.shape[1]]
+                    elif out.dim() == 2:  # a plain datum beside (N, K) ones: its targets are column 0
+                        out = out[:, 0]
+                    logprobs[i] = out.detach().float().cpu().numpy()
         tokens = float(sum(len(e) for e in examples))
         metrics = {"loss:sum": total, "tokens:sum": tokens, "seconds:max": time.perf_counter() - started}
         return [logprobs[i] for i in range(len(examples))], total, metrics
+
+    def _step(
+        self,
+        batch: dict[str, torch.Tensor],
+        chunk: list[TrainingExample],
+        sequence_masks: list[list[float] | None],
+        loss: LossParams,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every real token's logprob, whatever its weight: forward() answers them all (a custom loss gets them
+        # from a cross_entropy forward whose weights are zero), and gspo's sequence mask may reach past the weights.
+        lp_BT = self.net(
+            batch["input_ids_BT"],
+            batch["attention_mask_BT"],
+            batch["target_ids_BT"],
+            batch["attention_mask_BT"],
+            None,
+        )
+        sequence_mask_BT = None
+        if any(m is not None for m in sequence_masks):
+            sequence_mask_BT = batch["mask_BT"].clone()
+            for row, (example, mask) in enumerate(zip(chunk, sequence_masks, strict=True)):
+                if mask is not None:
+                    sequence_mask_BT[row, : len(example)] = torch.tensor(mask)
+        inputs = LossInputs(
+            trainer_logprobs_BT=lp_BT,
+            sampler_logprobs_BT=batch["sampler_logprobs_BT"],
+            advantages_BT=batch["advantages_BT"],
+            mask_BT=batch["mask_BT"],
+            reduction_weights_BT=compute_reduction_weights(batch["mask_BT"], "sum", 0.0, 0),
+            sequence_mask_BT=sequence_mask_BT,
+        )
+        value, _ = compute_loss(inputs, loss)
+        return value, lp_BT
+
+    def _soft_step(
+        self, batch: dict[str, torch.Tensor], chunk: list[TrainingExample], soft: list[SoftTargets | None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cross_entropy over [B, T, K] targets, K the widest in the micro-batch: a plain datum is K = 1 with its
+        weights, and the cells past a datum's own K carry weight 0."""
+        B, T = batch["target_ids_BT"].shape
+        K = max(s.target_ids.shape[1] for s in soft if s is not None)
+        targets_BTK = torch.zeros((B, T, K), dtype=torch.long)
+        weights_BTK = torch.zeros((B, T, K), dtype=torch.float32)
+        for row, (example, target) in enumerate(zip(chunk, soft, strict=True)):
+            n = len(example)
+            if target is None:
+                targets_BTK[row, :n, 0] = torch.tensor(example.target_ids)
+                weights_BTK[row, :n, 0] = torch.tensor(example.loss_mask)
+            else:
+                k = target.target_ids.shape[1]
+                targets_BTK[row, :n, :k] = torch.from_numpy(target.target_ids)
+                weights_BTK[row, :n, :k] = torch.from_numpy(target.weights)
+        lp_BTK = self.net(
+            batch["input_ids_BT"],
+            batch["attention_mask_BT"],
+            targets_BTK.to(self.device),
+            batch["attention_mask_BT"],
+            None,
+        )
+        return soft_cross_entropy(lp_BTK, weights_BTK.to(self.device)), lp_BTK
 
     def optim_step(self, name: str, adam: AdamParams) -> dict[str, float]:
         client = self._activate(name)

@@ -7,7 +7,8 @@ and what to send instead; the service returns it in the SDK's error format (the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,10 @@ LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
     "cispo": frozenset({"clip_low_threshold", "clip_high_threshold", "tis_cap"}),
     "grpo": frozenset({"clip_low_threshold", "clip_high_threshold", "tis_cap"}),
     "dro": frozenset({"beta"}),
+    "gspo": frozenset({"clip_low_threshold", "clip_high_threshold"}),
 }
-INPUT_KEYS = frozenset({"target_tokens", "weights", "logprobs", "advantages"})
+INPUT_KEYS = frozenset({"target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask"})
+SAMPLER_LOSSES = RATIO_LOSSES | {"dro", "gspo"}  # the losses that read the sampler's logprobs
 
 _DTYPES: dict[int, Any] = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
@@ -35,12 +38,25 @@ class UserError(ValueError):
 
 
 @dataclass(frozen=True)
+class SoftTargets:
+    """A datum's (N, K) cross_entropy targets (Tinker's top-K distillation form): K token ids per position and a
+    weight for each; the loss is -sum of weight * logprob, and the logprobs are answered in (N, K)."""
+
+    target_ids: np.ndarray  # [N, K] int64
+    weights: np.ndarray  # [N, K] float32
+
+
+@dataclass(frozen=True)
 class ForwardBackwardCall:
     model_id: str
     seq_id: int
     forward_only: bool
     loss: LossParams
     examples: list[TrainingExample]
+    # per example: its (N, K) targets (cross_entropy), else None; then the target_ids of the example hold column 0
+    soft_targets: list[SoftTargets | None] = field(default_factory=list)
+    # per example: gspo's sequence_ratio_mask, else None
+    sequence_masks: list[list[float] | None] = field(default_factory=list)
 
 
 def _array(tensor: pb.Tensor, where: str) -> np.ndarray:
@@ -77,12 +93,51 @@ def _vector(datum: pb.Datum, key: str, index: int, length: int) -> np.ndarray | 
     values = _array(datum.loss_fn_inputs[key], where)
     if values.ndim != 1:
         values = values.reshape(-1) if values.size == length else values
+    if values.ndim == 2 and values.shape[0] == length and key in ("target_tokens", "weights"):
+        raise UserError(
+            f"{where}: shape {list(values.shape)} (K targets per position) applies to loss_fn 'cross_entropy' "
+            f"only; send shape [{length}], one value per model_input token"
+        )
     if values.ndim != 1 or values.shape[0] != length:
         raise UserError(
             f"{where}: shape {list(values.shape)}, but model_input has {length} tokens; send one value per "
             "model_input token (position t scores target_tokens[t])"
         )
     return values
+
+
+def _soft_targets(datum: pb.Datum, index: int, length: int) -> SoftTargets | None:
+    """cross_entropy's (N, K) target_tokens with (N, K) weights, or None for the (N,) form. Weights left out are
+    ones, as in the (N,) form."""
+    if "target_tokens" not in datum.loss_fn_inputs:
+        return None
+    where = f"data[{index}].loss_fn_inputs"
+    targets = _array(datum.loss_fn_inputs["target_tokens"], f"{where}['target_tokens']")
+    weights = None
+    if "weights" in datum.loss_fn_inputs:
+        weights = _array(datum.loss_fn_inputs["weights"], f"{where}['weights']")
+    if targets.ndim != 2:
+        if weights is not None and weights.ndim == 2 and weights.size != length:
+            raise UserError(
+                f"{where}['weights']: shape {list(weights.shape)}, but target_tokens has shape "
+                f"{list(targets.shape)}; send one weight per target token, of target_tokens' shape"
+            )
+        return None
+    if targets.shape[0] != length or targets.shape[1] < 1:
+        raise UserError(
+            f"{where}['target_tokens']: shape {list(targets.shape)}, but model_input has {length} tokens; send "
+            f"[{length}] (one target per token) or [{length}, K] with K >= 1 (K targets per token)"
+        )
+    if weights is None:
+        weights = np.ones(targets.shape, np.float32)
+    elif weights.shape != targets.shape:
+        raise UserError(
+            f"{where}['weights']: shape {list(weights.shape)}, but target_tokens has shape "
+            f"{list(targets.shape)}; send one weight per target token, of target_tokens' shape"
+        )
+    if not np.isfinite(weights).all():
+        raise UserError(f"{where}['weights'] holds NaN or inf")
+    return SoftTargets(target_ids=targets.astype(np.int64), weights=weights.astype(np.float32))
 
 
 def _tokens(datum: pb.Datum, index: int) -> list[int]:
@@ -128,7 +183,14 @@ def _config(request: pb.ForwardBackwardRequest) -> dict[str, float | str]:
     return config
 
 
-def to_example(datum: pb.Datum, index: int, loss: LossParams, vocab_size: int) -> TrainingExample:
+@dataclass(frozen=True)
+class _Decoded:
+    example: TrainingExample
+    soft: SoftTargets | None
+    sequence_mask: list[float] | None
+
+
+def to_example(datum: pb.Datum, index: int, loss: LossParams, vocab_size: int) -> _Decoded:
     unknown = sorted(set(datum.loss_fn_inputs) - INPUT_KEYS)
     if unknown:
         raise UserError(
@@ -136,7 +198,8 @@ def to_example(datum: pb.Datum, index: int, loss: LossParams, vocab_size: int) -
         )
     ids = _tokens(datum, index)
     n = len(ids)
-    targets = _vector(datum, "target_tokens", index, n)
+    soft = _soft_targets(datum, index, n) if loss.name == "cross_entropy" else None
+    targets = soft.target_ids if soft is not None else _vector(datum, "target_tokens", index, n)
     if targets is None:
         raise UserError(
             f"data[{index}].loss_fn_inputs needs 'target_tokens' ({n} ids, one per model_input token)"
@@ -147,25 +210,45 @@ def to_example(datum: pb.Datum, index: int, loss: LossParams, vocab_size: int) -
             raise UserError(
                 f"data[{index}].{name} has token id {int(bad[0])}, outside the vocabulary [0, {vocab_size})"
             )
-    weights = _vector(datum, "weights", index, n)
+    weights = None if soft is not None else _vector(datum, "weights", index, n)
     sampler = _vector(datum, "logprobs", index, n)
     advantages = _vector(datum, "advantages", index, n)
+    sequence_mask = _vector(datum, "sequence_ratio_mask", index, n) if loss.name == "gspo" else None
     if loss.name != "cross_entropy" and advantages is None:
         raise UserError(f"data[{index}]: loss_fn {loss.name!r} needs loss_fn_inputs['advantages']")
-    if (loss.name in RATIO_LOSSES or loss.name == "dro") and sampler is None:
+    if loss.name in SAMPLER_LOSSES and sampler is None:
         raise UserError(
             f"data[{index}]: loss_fn {loss.name!r} needs loss_fn_inputs['logprobs'] (the sampler's)"
         )
-    for key, given in (("weights", weights), ("logprobs", sampler), ("advantages", advantages)):
+    if loss.name == "gspo" and sequence_mask is None:
+        raise UserError(
+            f"data[{index}]: loss_fn 'gspo' needs loss_fn_inputs['sequence_ratio_mask'] ({n} values, one per "
+            "model_input token: nonzero where the token's log-ratio counts in its sequence's ratio)"
+        )
+    for key, given in (
+        ("weights", weights),
+        ("logprobs", sampler),
+        ("advantages", advantages),
+        ("sequence_ratio_mask", sequence_mask),
+    ):
         if given is not None and not np.isfinite(given).all():
             raise UserError(f"data[{index}].loss_fn_inputs[{key!r}] holds NaN or inf")
-    return TrainingExample(
+    if soft is not None:
+        # Column 0 stands in for the targets; a position trains when any of its K weights is nonzero.
+        target_ids = [int(t) for t in soft.target_ids[:, 0]]
+        loss_mask = [float(row.any()) for row in soft.weights != 0]
+    else:
+        target_ids = [int(t) for t in targets]
+        loss_mask = [float(w) for w in weights] if weights is not None else [1.0] * n
+    example = TrainingExample(
         input_ids=ids,
-        target_ids=[int(t) for t in targets],
-        loss_mask=[float(w) for w in weights] if weights is not None else [1.0] * n,
+        target_ids=target_ids,
+        loss_mask=loss_mask,
         sampler_logprobs=[float(x) for x in sampler] if sampler is not None else [0.0] * n,
         advantages=[float(a) for a in advantages] if advantages is not None else [0.0] * n,
     )
+    mask = [float(m) for m in sequence_mask] if sequence_mask is not None else None
+    return _Decoded(example, soft, mask)
 
 
 def decode_forward_backward(body: bytes, vocab_size: int) -> tuple[str, int, bool, Any]:
@@ -180,23 +263,41 @@ def decode_forward_backward(body: bytes, vocab_size: int) -> tuple[str, int, boo
         if not request.data:
             raise UserError("forward_backward needs at least one datum")
         loss = _loss_params(request.loss_fn, _config(request))
-        examples = [to_example(d, i, loss, vocab_size) for i, d in enumerate(request.data)]
+        decoded = [to_example(d, i, loss, vocab_size) for i, d in enumerate(request.data)]
         call: Any = ForwardBackwardCall(
-            request.model_id, request.seq_id, request.forward_only, loss, examples
+            request.model_id,
+            request.seq_id,
+            request.forward_only,
+            loss,
+            [d.example for d in decoded],
+            soft_targets=[d.soft for d in decoded],
+            sequence_masks=[d.sequence_mask for d in decoded],
         )
     except UserError as exc:
         call = exc
     return request.model_id, request.seq_id, request.forward_only, call
 
 
-def encode_forward_backward(logprobs: list[list[float]], metrics: dict[str, float]) -> bytes:
-    """ForwardBackwardOutput: each datum's target logprobs, and metrics named `name:reduction` as the SDK requires."""
+def encode_forward_backward(
+    logprobs: Sequence[Sequence[float] | np.ndarray], metrics: dict[str, float]
+) -> bytes:
+    """ForwardBackwardOutput: each datum's target logprobs, (N,) or (N, K) as its target_tokens, and metrics named
+    `name:reduction` as the SDK requires. One ArrayRecord per run of datums with one trailing shape: the SDK reads
+    a record's datums as [len, *trailing_shape]."""
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)
-    record = out.loss_fn_outputs.add()
-    record.num_datums = len(logprobs)
-    field = record.fields["logprobs"]
-    field.dtype = pb.DTYPE_FLOAT32
     arrays = [np.asarray(lp, np.float32) for lp in logprobs]
-    field.data = b"".join(a.tobytes() for a in arrays)
-    field.offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64).tobytes()
+    start = 0
+    while start < len(arrays):
+        trailing = arrays[start].shape[1:]
+        stop = start + 1
+        while stop < len(arrays) and arrays[stop].shape[1:] == trailing:
+            stop += 1
+        record = out.loss_fn_outputs.add()
+        record.num_datums = stop - start
+        tensor = record.fields["logprobs"]
+        tensor.dtype = pb.DTYPE_FLOAT32
+        tensor.trailing_shape.extend(trailing)
+        tensor.data = b"".join(a.tobytes() for a in arrays[start:stop])
+        tensor.offsets = np.cumsum([0] + [a.nbytes for a in arrays[start:stop]]).astype(np.int64).tobytes()
+        start = stop
     return out.SerializeToString()

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rlcommon.overrides import apply_overrides, error_lines, renamed_key
 from rlcommon.slots import DEFAULT_MAX_STALENESS, KEEP_VERSIONS_MEANING
-from trainer.training.losses import DEFAULT_DRO_BETA, LossName, LossParams, Reduction
+from trainer.training.losses import DEFAULT_DRO_BETA, RATIO_LOSSES, LossName, LossParams, Reduction
 
 
 class _Section(BaseModel):
@@ -64,7 +64,7 @@ class LossConfig(_Section):
     name: LossName = Field("importance_sampling", description="Tinker loss name, or grpo")
     reduction: Reduction = Field("sum", description="sum = Tinker's; means divide by batch-level counts")
     clip_low_threshold: float | None = Field(
-        None, description="lower ratio bound (ppo/grpo/cispo); None = Tinker's"
+        None, description="lower ratio bound (ppo/grpo/gspo/cispo); None = Tinker's"
     )
     clip_high_threshold: float | None = Field(None, description="upper ratio bound; None = Tinker's default")
     beta: float = Field(DEFAULT_DRO_BETA, ge=0, description="dro quadratic penalty")
@@ -399,7 +399,7 @@ class RunConfig(_Section):
                     f"inference.{key} is set by the launcher from launch.backend and the tinker: "
                     "section; remove it from the config"
                 )
-        if self.loss.tis_cap is not None and self.loss.name in ("cross_entropy", "dro"):
+        if self.loss.tis_cap is not None and self.loss.name not in RATIO_LOSSES:
             raise ValueError(f"loss.tis_cap applies to ratio losses, not loss.name={self.loss.name!r}")
         if self.distributed.world_size > 1 and self.launch.backend == "tinker":
             raise ValueError(

@@ -15,13 +15,14 @@ from torch.utils.checkpoint import checkpoint
 def _chunk_logprobs(
     head: Callable[[torch.Tensor], torch.Tensor],
     hidden_NH: torch.Tensor,
-    targets_N: torch.Tensor,
+    targets_NK: torch.Tensor,
     inv_temperature_N: torch.Tensor,
 ) -> torch.Tensor:
+    """[N, K] logprobs of the [N, K] token ids in targets_NK."""
     logits_NV = head(hidden_NH).float() * inv_temperature_N[:, None]
     # logsumexp + gather instead of log_softmax: never materialises a second [N, V] tensor.
-    picked_N = logits_NV.gather(1, targets_N[:, None]).squeeze(1)
-    return picked_N - torch.logsumexp(logits_NV, dim=-1)
+    picked_NK = logits_NV.gather(1, targets_NK)
+    return picked_NK - torch.logsumexp(logits_NV, dim=-1, keepdim=True)
 
 
 def compute_token_logprobs(
@@ -32,7 +33,8 @@ def compute_token_logprobs(
     temperature_B: torch.Tensor | None = None,
     chunk_tokens: int = 1024,
 ) -> torch.Tensor:
-    """log p(target_t | prefix) at positions where select_BT is true; 0 elsewhere. Returns fp32 [B, T].
+    """log p(target_t | prefix) at positions where select_BT is true; 0 elsewhere. Returns fp32 [B, T], or
+    [B, T, K] for [B, T, K] targets (K candidate tokens per position, scored from one logits row).
 
     `head` maps hidden states to logits (the model's lm_head, LoRA included). Logits are divided by the
     per-sequence temperature when given (sampler reports post-temperature logprobs).
@@ -40,7 +42,8 @@ def compute_token_logprobs(
     B, T, H = hidden_BTH.shape
     flat_select = select_BT.reshape(-1).nonzero().squeeze(1)
     hidden_NH = hidden_BTH.reshape(B * T, H).index_select(0, flat_select)
-    targets_N = target_ids_BT.reshape(-1).index_select(0, flat_select)
+    targets_NK = target_ids_BT.reshape(B * T, -1).index_select(0, flat_select)
+    K = targets_NK.shape[1]
     if temperature_B is None:
         inv_t_N = torch.ones(len(flat_select), device=hidden_BTH.device, dtype=torch.float32)
     else:
@@ -53,14 +56,14 @@ def compute_token_logprobs(
     pieces = []
     for start in range(0, len(flat_select), chunk_tokens):
         sl = slice(start, start + chunk_tokens)
-        args = (hidden_NH[sl], targets_N[sl], inv_t_N[sl])
+        args = (hidden_NH[sl], targets_NK[sl], inv_t_N[sl])
         if torch.is_grad_enabled() and hidden_NH.requires_grad:
             pieces.append(checkpoint(_chunk_logprobs, head, *args, use_reentrant=False))
         else:
             pieces.append(_chunk_logprobs(head, *args))
-    out_N = torch.cat(pieces) if pieces else hidden_BTH.new_zeros(0, dtype=torch.float32)
-    out_BT = torch.zeros(B * T, device=hidden_BTH.device, dtype=torch.float32)
-    return out_BT.index_copy(0, flat_select, out_N).reshape(B, T)
+    out_N = torch.cat(pieces) if pieces else hidden_BTH.new_zeros((0, K), dtype=torch.float32)
+    out_BT = torch.zeros((B * T, K), device=hidden_BTH.device, dtype=torch.float32)
+    return out_BT.index_copy(0, flat_select, out_N).reshape(target_ids_BT.shape)
 
 
 def top_logprobs(logprobs_PV: torch.Tensor, k: int) -> list[dict[int, float]]:

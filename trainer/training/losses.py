@@ -12,6 +12,8 @@ Departures from Tinker, all opt-in and off by default:
   micro-batches equals one big batch).
 - every loss multiplies its per-token terms by `mask_BT`; Tinker relies on zero advantages at prompt positions
   instead, which is the same except for `dro`, whose quadratic term we also mask.
+- `gspo` over a sequence whose `sequence_mask_BT` marks no token: Tinker's mean over an empty set is NaN; here the
+  sequence ratio is 1 (log-ratio 0), so such a sequence trains as on-policy PPO would.
 """
 
 from __future__ import annotations
@@ -22,13 +24,20 @@ from typing import Literal
 
 import torch
 
-LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "grpo"]
+LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "grpo", "gspo"]
 Reduction = Literal["sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
 
 RATIO_LOSSES: frozenset[str] = frozenset({"importance_sampling", "ppo", "cispo", "grpo"})
 
-# Tinker's defaults for `loss_fn_config` (clip thresholds are bounds on the ratio, not epsilons).
-DEFAULT_CLIP: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "grpo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+# Tinker's defaults for `loss_fn_config` (clip thresholds are bounds on the ratio, not epsilons). Tinker's GSPO page
+# writes the clip as PPO's, clip(s, 1 - eps_low, 1 + eps_high), without numbers: PPO's bounds are our reading.
+DEFAULT_CLIP: dict[str, tuple[float, float]] = {
+    "ppo": (0.8, 1.2),
+    "grpo": (0.8, 1.2),
+    "gspo": (0.8, 1.2),
+    "cispo": (0.0, 4.0),
+}
+CLIPPED_LOSSES: frozenset[str] = frozenset(DEFAULT_CLIP)
 DEFAULT_DRO_BETA = 0.05
 
 
@@ -57,6 +66,9 @@ class LossInputs:
         torch.Tensor
     )  # per-token weights (Tinker's `weights`), 0 = not trained; other inputs may be NaN there
     reduction_weights_BT: torch.Tensor  # from compute_reduction_weights over the *whole* batch
+    # gspo: the tokens whose log-ratios the sequence ratio averages (Tinker's `sequence_ratio_mask`, nonzero = in);
+    # None = the trained tokens (mask_BT). Trainer logprobs must be real there, not only where mask_BT is nonzero.
+    sequence_mask_BT: torch.Tensor | None = None
 
 
 def compute_reduction_weights(
@@ -96,6 +108,20 @@ def _ratio(inputs: LossInputs, tis_cap: float | None) -> tuple[torch.Tensor, tor
     return ratio_BT, torch.exp(log_ratio_BT - excess_BT)
 
 
+def _sequence_ratio(inputs: LossInputs) -> torch.Tensor:
+    """GSPO-token (Tinker's form): every token's ratio has its sequence's value s = exp(mean over the sequence
+    mask of log(trainer / sampler)), computed without gradient, and the gradient of its own logprob: d ratio_t =
+    s * d trainer_t. An empty sequence mask gives s = 1."""
+    in_seq_BT = (inputs.mask_BT if inputs.sequence_mask_BT is None else inputs.sequence_mask_BT) != 0
+    trainer_BT = inputs.trainer_logprobs_BT
+    diff_BT = (trainer_BT.detach() - inputs.sampler_logprobs_BT).float()
+    # torch.where, not a product: positions outside the mask may hold NaN (padding, unsent logprobs).
+    log_ratio_BT = torch.where(in_seq_BT, diff_BT, torch.zeros_like(diff_BT))
+    seq_log_ratio_B1 = log_ratio_BT.sum(1, keepdim=True) / in_seq_BT.sum(1, keepdim=True).clamp_min(1)
+    own_BT = _where_mask(inputs.mask_BT, trainer_BT).float()
+    return torch.exp(seq_log_ratio_B1 + own_BT - own_BT.detach())
+
+
 def _per_token_loss(inputs: LossInputs, params: LossParams, ratio_BT: torch.Tensor) -> torch.Tensor:
     mask_BT = inputs.mask_BT
     trainer_lp_BT = _where_mask(mask_BT, inputs.trainer_logprobs_BT)
@@ -106,7 +132,7 @@ def _per_token_loss(inputs: LossInputs, params: LossParams, ratio_BT: torch.Tens
         return -trainer_lp_BT
     if name == "importance_sampling":
         return -ratio_BT * adv_BT
-    if name in ("ppo", "grpo"):
+    if name in ("ppo", "grpo", "gspo"):
         clipped_BT = torch.clamp(ratio_BT, low, high)
         return -torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
     if name == "cispo":
@@ -127,17 +153,28 @@ def compute_loss(inputs: LossInputs, params: LossParams) -> tuple[torch.Tensor, 
     if params.tis_cap is not None and params.name not in RATIO_LOSSES:
         raise ValueError(f"tis_cap applies to ratio losses {sorted(RATIO_LOSSES)}, not {params.name!r}")
     ratio_BT, used_ratio_BT = _ratio(inputs, params.tis_cap)
+    clip_ratio_BT = ratio_BT  # the ratio the clip bounds are compared with, for the clipped-token count
+    if params.name == "gspo":
+        used_ratio_BT = _sequence_ratio(inputs)
+        clip_ratio_BT = used_ratio_BT.detach()
     per_token_BT = _per_token_loss(inputs, params, used_ratio_BT)
     # mask_BT doubles as Tinker's `weights` (cross_entropy); RL batches carry 0/1 masks.
     weighted_BT = per_token_BT * _where_mask(inputs.mask_BT, inputs.mask_BT.to(per_token_BT.dtype))
     loss = (
         weighted_BT * _where_mask(inputs.mask_BT, inputs.reduction_weights_BT.to(per_token_BT.dtype))
     ).sum()
-    return loss, _compute_metrics(inputs, params, ratio_BT.detach(), weighted_BT.detach())
+    metrics = _compute_metrics(
+        inputs, params, ratio_BT.detach(), weighted_BT.detach(), clip_ratio_BT.detach()
+    )
+    return loss, metrics
 
 
 def _compute_metrics(
-    inputs: LossInputs, params: LossParams, ratio_BT: torch.Tensor, per_token_BT: torch.Tensor
+    inputs: LossInputs,
+    params: LossParams,
+    ratio_BT: torch.Tensor,
+    per_token_BT: torch.Tensor,
+    clip_ratio_BT: torch.Tensor,
 ) -> dict[str, float]:
     trained_BT = inputs.mask_BT != 0
     n_tokens = int(trained_BT.sum().item())
@@ -145,8 +182,9 @@ def _compute_metrics(
     log_ratio_T = torch.log(ratio_T)
     low, high = params.clip_bounds()
     clipped = 0
-    if params.name in ("ppo", "grpo", "cispo") and n_tokens:
-        clipped = int(((ratio_T < low) | (ratio_T > high)).sum().item())
+    if params.name in CLIPPED_LOSSES and n_tokens:
+        clip_T = clip_ratio_BT[trained_BT].double()
+        clipped = int(((clip_T < low) | (clip_T > high)).sum().item())
     if params.tis_cap is not None and n_tokens:
         clipped += int((ratio_T > params.tis_cap).sum().item())
     # k3 estimator of KL(sampler || trainer): E_q[r - 1 - log r] >= 0, low variance (Schulman's note).
@@ -161,6 +199,22 @@ def _compute_metrics(
         "importance/mismatch_kl_sum": mismatch_kl_sum,
         "importance/abs_logprob_diff_sum": float(log_ratio_T.abs().sum().item()) if n_tokens else 0.0,
     }
+
+
+def soft_cross_entropy(logprobs_BTK: torch.Tensor, weights_BTK: torch.Tensor) -> torch.Tensor:
+    """Tinker's cross_entropy with (N, K) targets (top-K distillation): -sum over t and k of w[t, k] * logprob of
+    target k at position t, summed (Tinker's reduction). K = 1 with w = the loss mask is the plain cross_entropy.
+    A zero weight keeps its cell out entirely, so padding cells may hold anything, NaN included."""
+    if logprobs_BTK.shape != weights_BTK.shape:
+        raise ValueError(
+            f"soft_cross_entropy: logprobs {list(logprobs_BTK.shape)} and weights {list(weights_BTK.shape)} "
+            "must have one shape"
+        )
+    kept_BTK = weights_BTK != 0
+    lp_BTK = torch.where(kept_BTK, logprobs_BTK, torch.zeros_like(logprobs_BTK))
+    return -(
+        lp_BTK * torch.where(kept_BTK, weights_BTK, torch.zeros_like(weights_BTK)).to(lp_BTK.dtype)
+    ).sum()
 
 
 def finalize_metrics(parts: list[dict[str, float]]) -> dict[str, float]:

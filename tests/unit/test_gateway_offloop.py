@@ -1,5 +1,5 @@
 """The gateway keeps answering while it checks an adapter (validation runs off its event loop), and prompt-scoring
-requests run alone in vLLM only on the CPU platform, where batching them kills the engine (inference/lanes.py)."""
+requests run alone in vLLM only on the CPU platform, where batching them kills the engine (inference/samplers/lanes.py)."""
 
 from __future__ import annotations
 

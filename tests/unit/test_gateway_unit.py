@@ -574,7 +574,7 @@ async def test_a_temporary_failure_carries_retry_after():
 
 
 async def test_a_prompt_logprob_request_runs_alone():
-    """inference/lanes.py: a solo request waits for in-flight ones, and holds new ones until it is done."""
+    """inference/samplers/lanes.py: a solo request waits for in-flight ones, and holds new ones until it is done."""
     lane, events = SoloLane(), []
 
     async def request(name: str, solo: bool, hold_s: float) -> None:

@@ -278,7 +278,7 @@ def build_trainer_plan(
 @dataclass(frozen=True)
 class VLLMSettings:
     """What the plan reads from the gateway's config, as `python -m inference.config` completes it (every key
-    present); inference.vllm_backend builds vLLM's argv from the same keys."""
+    present); inference.samplers.vllm builds vLLM's argv from the same keys."""
 
     dtype: str
     max_lora_rank: int

@@ -2,7 +2,7 @@
 depends on it) within a budget of restarts per hour; count every restart where the trainer's next metrics row
 picks it up (RUN_DIR/faults.json). Who restarts what:
 
-- vLLM: the gateway (inference/vllm_backend.py); the supervisor only counts its restarts.
+- vLLM: the gateway (inference/samplers/vllm.py); the supervisor only counts its restarts.
 - an environment: restarted alone; it registers with run-api again and resumes its data position.
 - run-api: restarted on the same socket, then the environments (their registrations died with it); the trainer
   registers again by itself. Rollouts queued in run-api are lost and counted (`lost_queued_sequences`).

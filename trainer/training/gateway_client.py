@@ -75,7 +75,7 @@ class GatewayClient:
         self, version: int, hold_s: float, quota: int | None = None, refill_s: float = 1.0
     ) -> ExpectResponse:
         """Close the on-policy gate until `version` is published (or open it: a version not newer than the
-        current one); `quota` sequences per version from then on (inference/gate.py)."""
+        current one); `quota` sequences per version from then on (inference/policy/gate.py)."""
         body = ExpectRequest(version=version, hold_s=hold_s, quota=quota, refill_s=refill_s).model_dump()
         return ExpectResponse.model_validate(self._post("/policy/expect", body))
 

@@ -4,7 +4,7 @@ trained one before it serves anything.
 The proof (publish.verify, local backend): the trainer sends, with the publish, a few fixed prompts and its own
 top-k logprobs of the next token after each; the gateway has vLLM sample one greedy token per prompt on the loaded
 adapter and refuses the publish (422) when vLLM's top-k logprobs differ by more than the tolerance
-(inference/probe_check.py): the largest difference in float32, the mean difference against a tolerance the
+(inference/policy/probe_check.py): the largest difference in float32, the mean difference against a tolerance the
 gateway calibrates on the base model with any bfloat16. The probe also carries the trainer's answers with the
 adapter off and for the previous verified version, so each row says how far a wrong adapter would have been. A refused publish is written again and retried `publish.verify_retries` times, then the
 run stops for a person (PublishUnverified: exit code 3, which the launcher does not restart).

@@ -1,6 +1,5 @@
-"""Large bodies never stall the gateway (parsed and validated off the event loop, in steps), and answers on a
-kept-alive connection carry no delayed-ACK floor. The gateway runs as `python -m inference` runs it: on the
-socket inference.__main__.listening_socket makes (or inherits), under uvicorn on the stdlib asyncio loop."""
+"""/health keeps answering while a maximal body is parsed, measured from outside: the gateway in a process
+of its own, as `python -m inference` runs it (its socket, gc.freeze, asyncio.run), and a poller in another."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Atropos batch intake: conversion of real run-api batches, and every bad-input case dropped and named."""
+"""Groups sampled from the tiny model go through a real Atropos run-api process and come back as the batch
+the trainer converts: the wire shape the unit tests' fixture stands for."""
 
 from __future__ import annotations
 

@@ -1,36 +1,15 @@
-"""The service's sample request and response conversion (trainer/service/sampling.py), read back by the SDK's own
-deserializer; refusals name the field and the value."""
+"""`bash launch.sh service --dry-run` (a child process): the gateway config and both commands it
+would run, the tokens never printed."""
 
 from __future__ import annotations
 
-from typing import Any
+import subprocess
+import sys
 
-
-def request(**over: Any) -> dict[str, Any]:
-    body = {
-        "sampling_session_id": "s:sample:0",
-        "num_samples": 2,
-        "prompt": {
-            "chunks": [{"type": "encoded_text", "tokens": [1, 2]}, {"type": "encoded_text", "tokens": [3]}]
-        },
-        "sampling_params": {
-            "max_tokens": 4,
-            "temperature": 0.7,
-            "top_p": 0.9,
-            "top_k": -1,
-            "stop": [7],
-            "seed": 3,
-        },
-    }
-    return {**body, **over}
+from tests.helpers import ROOT
 
 
 def test_launch_service_dry_run_prints_the_gateway_config_and_both_commands():
-    import subprocess
-    import sys
-
-    from tests.helpers import ROOT
-
     argv = [sys.executable, "-m", "trainer.orchestration.service_launch", "--config", "configs/tiny_cpu.yaml"]
     done = subprocess.run([*argv, "--dry-run", "service.port=8199"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -1,6 +1,6 @@
-"""The Tinker backend against a fake of the SDK boundary made of real tinker types (tests/fake_tinker.py), the
-clear-error cases, the gateway's Tinker sampler, the local path without tinker installed, the comparison report,
-and a full `launch.sh toy --backend tinker` run. A live smoke test runs only when TINKER_API_KEY is set."""
+"""The Tinker backend end to end in child processes: launch.sh's refusals without a key and its pre-flight,
+the local path in an environment without tinker, a whole `launch.sh toy --backend tinker` run on the fake SDK
+boundary (tests/fake_tinker.py), and a live smoke test when TINKER_API_KEY is set."""
 
 from __future__ import annotations
 

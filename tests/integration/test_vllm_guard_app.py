@@ -1,6 +1,5 @@
-"""The key guard vLLM loads in front of its whole app: around a recording app, every path and method without the
-right bearer key is refused before the app sees it; in vLLM's own app (built, not served, from the command line
-the gateway starts), every route it has, the SageMaker ones included, answers 401 without the key."""
+"""vLLM's own app (built, not served, from the command line the gateway starts, which imports vLLM: ~20 s):
+every route it has, the SageMaker ones included, answers 401 without the key."""
 
 from __future__ import annotations
 

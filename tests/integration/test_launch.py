@@ -90,12 +90,9 @@ def test_a_bf16_run_stops_on_sigterm_resumes_and_learns(tmp_path):
         assert not missing, f"step {row['step']} lacks {missing}"
     assert_learned([r["reward/mean"] for r in rows])
     trained = [r for r in rows if r["loss"] is not None]
-    # The SIGTERM may cut off the publish of the step it stopped at (the gateway stops too): that row has no
-    # verification, and the resume publishes the checkpoint's version again. Every other trained step's publish
-    # was verified.
-    verified = [r for r in trained if not (r["step"] == ckpt_step and r["publish/verify_failures"] is None)]
-    assert len(verified) >= len(trained) - 1
-    for row in verified:
+    # The step the SIGTERM stopped at included: the launcher stops the trainer first, so its last publish still
+    # reaches a running gateway.
+    for row in trained:
         assert row["publish/verify_failures"] == 0, row
         assert row["publish/verify_mean_abs_diff"] <= row["publish/verify_tolerance"], row
         assert row["publish/verify_separation"] is not None and row["publish/verify_noise"] is not None, row

@@ -80,3 +80,39 @@ def test_only_a_local_trainer_on_a_cuda_machine_waits_for_vllm(monkeypatch, tmp_
     assert not launcher.trainer_starts_with_vllm(cfg)
     cfg.launch.backend = "tinker"  # Tinker samples: no vLLM on this machine
     assert launcher.trainer_starts_with_vllm(cfg)
+
+
+class FakeProc:
+    def __init__(self) -> None:
+        self.code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+class Stoppable(FakeComponent):
+    def __init__(self, name: str, events: list[str], exits_on_term: bool = True):
+        super().__init__(name, events)
+        self.proc, self.exits_on_term = FakeProc(), exits_on_term
+
+    def terminate(self) -> None:
+        self.events.append(f"stop {self.name}")
+        if self.exits_on_term:
+            self.proc.code = 0
+
+    def exited(self) -> int | None:
+        return self.proc.code
+
+
+def test_the_trainer_is_stopped_first_and_given_its_time(monkeypatch):
+    from trainer.orchestration import processes
+
+    events: list[str] = []
+    trainer = Stoppable("trainer", events)
+    processes.stop_first(trainer, 5.0)  # type: ignore[arg-type]
+    assert events == ["stop trainer"] and trainer.exited() == 0
+    processes.stop_first(trainer, 5.0)  # type: ignore[arg-type]
+    assert events == ["stop trainer"], "an exited trainer is left alone"
+    stuck = Stoppable("trainer", events, exits_on_term=False)
+    processes.stop_first(stuck, 0.3)  # type: ignore[arg-type]
+    assert stuck.exited() is None, "past its time the others are stopped anyway (stop_all kills what is left)"

@@ -28,7 +28,7 @@ import yaml
 
 from rlcommon.hosts import LOOPBACK_HOSTS
 from trainer.orchestration.commands import PY, ROOT, build_components, env_preflight_command
-from trainer.orchestration.processes import Component, listen, stop_all
+from trainer.orchestration.processes import Component, listen, stop_all, stop_first
 from trainer.orchestration.slurm import Placement, SlurmJob, job_from_env, parse_nodelist, plan
 from trainer.orchestration.supervisor import LaunchError, Supervisor, wait_http
 from trainer.training.checkpoints import read_latest
@@ -368,6 +368,10 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
         ended = f"failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         raise
     finally:
+        # The trainer first: on a stop it finishes its step, publishes that version (the gateway must still be up
+        # to verify and serve it) and writes a final checkpoint; then everything else.
+        if components:  # api, gateway, *envs, trainer (build_components)
+            stop_first(components[-1], TRAINER_STOP_S)
         stop_all(components)
         # While our handlers stand: a second Ctrl-C cuts the report short, not the launcher.
         write_report(run_dir, ended)
@@ -375,6 +379,7 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
             signal.signal(s, handler)
 
 
+TRAINER_STOP_S = 20.0  # a stopping trainer's step, publish and checkpoint (the tiny model: about a second)
 REPORT_TIMEOUT_S = 20.0  # a 30-step run takes 1.5-3 s, a 100k-step one about 10 s (2-core box)
 
 

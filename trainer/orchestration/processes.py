@@ -138,6 +138,15 @@ def stop_child(proc: subprocess.Popen[Any], timeout_s: float) -> None:
         proc.wait()
 
 
+def stop_first(comp: Component, timeout_s: float) -> None:
+    """SIGTERM one component and give it up to `timeout_s` to exit, before the others are stopped (stop_all)."""
+    if comp.proc is None or comp.proc.poll() is not None:
+        return
+    comp.terminate()
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: comp.exited() is not None, timeout_s, f"{comp.name} stopping", 0.1)
+
+
 def stop_all(components: list[Component], timeout_s: float = 30.0) -> None:
     """SIGTERM every live component (last started first), wait up to `timeout_s` in all, then SIGKILL whatever is
     left in each component's process group."""

@@ -270,3 +270,54 @@ def assert_nothing_left(run_dir: Path) -> None:
         )
     alive = {name: p for name, p in pids.items() if p and group_alive(p)}
     assert not alive, f"processes of the run still alive: {alive}"
+
+
+# Polls /health from a process of its own (as a health probe does), so the measurement competes with the gateway
+# for the CPU only, never for its interpreter lock; until its stdin closes, then prints [sent, latency, status]s.
+POLLER = """
+import http.client, json, select, sys, time
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=30)
+def poll():
+    sent = time.monotonic()
+    conn.request("GET", "/health")
+    answer = conn.getresponse()
+    answer.read()
+    return sent, time.monotonic() - sent, answer.status
+poll()
+print("ready", flush=True)
+polls = []
+while not select.select([sys.stdin], [], [], 0)[0]:
+    polls.append(poll())
+    time.sleep(float(sys.argv[2]))
+print(json.dumps(polls), flush=True)
+"""
+
+
+def health_polled(
+    url: str, send: Any, every_s: float, linger_s: float = 0.0
+) -> tuple[httpx.Response, list[tuple[float, float]], float, float]:
+    """`send(client)` (an httpx.Client on `url`) while another process asks /health every `every_s` on a kept-alive
+    connection, polling on for `linger_s` after the answer; the answer, each poll's (sent at, latency) on the
+    time.monotonic clock, and when the request started and was answered. Every poll must be a 200."""
+    poller = subprocess.Popen(
+        [sys.executable, "-c", POLLER, str(httpx.URL(url).port), str(every_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert poller.stdout is not None and poller.stdin is not None
+        assert poller.stdout.readline().strip() == "ready"
+        started = time.monotonic()
+        with httpx.Client(base_url=url, timeout=300) as client:
+            answer = send(client)
+        answered = time.monotonic()
+        time.sleep(linger_s)
+        poller.stdin.close()
+        polls = json.loads(poller.stdout.read())
+    finally:
+        if poller.poll() is None:
+            poller.kill()
+        poller.wait(30)
+    assert polls and {status for _, _, status in polls} == {200}
+    return answer, [(sent, latency) for sent, latency, _ in polls], started, answered

@@ -19,7 +19,6 @@ import asyncio
 import functools
 import gc
 import json
-import math
 import threading
 from collections.abc import Awaitable, Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
@@ -66,51 +65,6 @@ class ParsedBody:
     value: Any  # the JSON value (None if the body is not JSON)
     error: str | None  # why the body is not JSON: the route answers 400 with it
     size: int  # bytes: large bodies are validated off the event loop too (inference.http.intake.off_loop)
-
-
-# json_depth and find_unsafe_value are the plain reference versions of what stepjson checks while it parses (the
-# tests compare the two); the gateway itself parses with check_json_body.
-
-
-def json_depth(raw: bytes) -> int:
-    """Deepest nesting of [ and { in a JSON text, outside strings. Linear, no recursion."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):  # [ {
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
-
-
-def find_unsafe_value(value: Any, path: str = "") -> str | None:
-    """A message naming the first non-finite number or invalid string in a parsed JSON value, else None."""
-    stack: list[tuple[str, Any]] = [(path, value)]
-    while stack:
-        where, item = stack.pop()
-        if isinstance(item, float) and not math.isfinite(item):
-            return f"{where or 'body'}: {item!r} is not a finite number; send a finite value"
-        if isinstance(item, str) and not stepjson.valid_unicode(item):
-            return f"{where or 'body'}: the string is not valid Unicode (a lone surrogate escape); send UTF-8 text"
-        if isinstance(item, dict):
-            for key, child in item.items():
-                if not stepjson.valid_unicode(key):
-                    return f"{where or 'body'}: a key is not valid Unicode (a lone surrogate escape)"
-                stack.append((f"{where}.{key}" if where else key, child))
-        elif isinstance(item, list):
-            stack.extend((f"{where}[{i}]", child) for i, child in enumerate(item))
-    return None
 
 
 def check_json_body(raw: bytes | list[bytes], max_depth: int) -> ParsedBody:

@@ -202,7 +202,7 @@ class _Parser:
             idx += STEP
 
     def where(self, levels: int | None = None) -> str:
-        """The field being parsed (with `levels`, the one that many levels up), as find_unsafe_value names it."""
+        """The field being parsed (with `levels`, the one that many levels up), as the gateway names it in its refusals."""
         out = ""
         for part in self.path[:levels]:
             out += f"[{part}]" if isinstance(part, int) else (f"{out and '.'}{part}")

@@ -4,7 +4,6 @@ of its own, as `python -m inference` runs it (its socket, gc.freeze, asyncio.run
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import socket
 import statistics
@@ -19,9 +18,8 @@ import pytest
 from inference.app import create_app
 from inference.config import GatewayConfig
 from inference.policy.registry import PolicyRegistry
-from tests.helpers import serve_app
+from tests.helpers import health_polled, serve_app
 from tests.scripted_gateway import ScriptedBackend
-from tests.unit.test_gateway_offloop import POLLER
 
 HEALTH_BUDGET_S = 0.100  # the acceptance bound on a /health answer while a maximal body is processed
 
@@ -109,31 +107,16 @@ def maximal_body(route: str, limit: int) -> bytes:
 
 def health_while_posting(url: str, route: str, body: bytes) -> tuple[httpx.Response, list[float], float]:
     """POST `body` while another process asks /health every 5 ms on a kept-alive connection; the POST's answer,
-    the latencies of the polls sent before it came back, and how long it took."""
-    port = str(httpx.URL(url).port)
-    poller = subprocess.Popen(
-        [sys.executable, "-c", POLLER, port, "0.005"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+    the latencies of the polls sent before it came back (and while it is freed, 0.3 s on), and how long it took."""
+    headers = {"content-type": "application/json"}
+    answer, polls, started, answered = health_polled(
+        url, lambda c: c.post(route, content=body, headers=headers), 0.005, linger_s=0.3
     )
-    try:
-        assert poller.stdout is not None and poller.stdin is not None
-        assert poller.stdout.readline().strip() == "ready"
-        started = time.monotonic()
-        with httpx.Client(base_url=url, timeout=300) as client:
-            answer = client.post(route, content=body, headers={"content-type": "application/json"})
-        answered = time.monotonic()
-        time.sleep(0.3)  # and while the body is freed
-        poller.stdin.close()
-        polls = json.loads(poller.stdout.read())
-    finally:
-        if poller.poll() is None:
-            poller.kill()
-        poller.wait(30)
-    assert polls and {status for _, _, status in polls} == {200}
-    during = [latency for sent, latency, _ in polls if started <= sent <= answered + 0.3]
-    return answer, during, answered - started
+    return (
+        answer,
+        [latency for sent, latency in polls if started <= sent <= answered + 0.3],
+        answered - started,
+    )
 
 
 @pytest.mark.parametrize("route", ["/generate", "/policy/lookup"])

@@ -19,10 +19,10 @@ from inference.__main__ import listening_socket
 from inference.app import create_app
 from inference.config import GatewayConfig
 from inference.http import stepjson
-from inference.http.guard import find_unsafe_value, json_depth
 from inference.policy.registry import PolicyRegistry
 from tests.helpers import serve_app
 from tests.scripted_gateway import ScriptedBackend, client_for
+from tests.unit.test_gateway_hostile import find_unsafe_value, json_depth
 
 KEPT_ALIVE_MEDIAN_S = 0.010  # loose for a loaded 2-core box; the delayed-ACK floor was 40-44 ms
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Any
 
 import pytest
 
-from inference.http.guard import check_json_body, find_unsafe_value, json_depth
+from inference.http import stepjson
+from inference.http.guard import check_json_body
 from tests.scripted_gateway import ScriptedBackend, client_for, make_adapter
 
 # (route, raw body, status, what the message must name). Raw bytes: some are not what json.dumps would write.
@@ -62,6 +64,50 @@ HOSTILE: list[tuple[str, bytes, int, str]] = [
     ("/generate", b'{"oops', 400, "not valid JSON"),
     ("/generate", b"[1, 2]", 400, "JSON object"),
 ]
+
+
+# Plain reference versions of two checks stepjson makes while it parses (the gateway parses with check_json_body).
+
+
+def json_depth(raw: bytes) -> int:
+    """Deepest nesting of [ and { in a JSON text, outside strings. Linear, no recursion."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def find_unsafe_value(value: Any, path: str = "") -> str | None:
+    """A message naming the first non-finite number or invalid string in a parsed JSON value, else None."""
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return f"{where or 'body'}: {item!r} is not a finite number; send a finite value"
+        if isinstance(item, str) and not stepjson.valid_unicode(item):
+            return f"{where or 'body'}: the string is not valid Unicode (a lone surrogate escape); send UTF-8 text"
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if not stepjson.valid_unicode(key):
+                    return f"{where or 'body'}: a key is not valid Unicode (a lone surrogate escape)"
+                stack.append((f"{where}.{key}" if where else key, child))
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{i}]", child) for i, child in enumerate(item))
+    return None
 
 
 def test_json_checks_are_linear_and_name_the_field():

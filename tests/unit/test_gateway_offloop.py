@@ -9,8 +9,6 @@ import importlib.metadata
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +28,7 @@ from inference.policy.registry import Policy, PolicyRegistry
 from inference.samplers import lanes
 from inference.samplers.lanes import SoloLane, scoring_runs_alone
 from inference.wire import Sample, SamplingRequest
-from tests.helpers import serve_app
+from tests.helpers import health_polled, serve_app
 from tests.scripted_gateway import ScriptedBackend
 
 HEALTH_BUDGET_S = 0.050  # the acceptance bound on a /health answer during a publish
@@ -123,52 +121,13 @@ def served(backend: ScriptedBackend, **cfg: Any) -> Iterator[str]:
         yield url
 
 
-# Polls /health from a process of its own (as a health probe does), so the measurement competes with the gateway
-# for the CPU only, never for its interpreter lock; until its stdin closes, then prints [sent, latency, status]s.
-POLLER = """
-import http.client, json, select, sys, time
-conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=30)
-def poll():
-    sent = time.monotonic()
-    conn.request("GET", "/health")
-    answer = conn.getresponse()
-    answer.read()
-    return sent, time.monotonic() - sent, answer.status
-poll()
-print("ready", flush=True)
-polls = []
-while not select.select([sys.stdin], [], [], 0)[0]:
-    polls.append(poll())
-    time.sleep(float(sys.argv[2]))
-print(json.dumps(polls), flush=True)
-"""
-
-
 def health_during(
     url: str, path: str, body: dict[str, Any]
 ) -> tuple[httpx.Response, list[tuple[float, float]]]:
     """POST `body` to `path` while another process asks /health every POLL_EVERY_S; the POST's answer and each
     health poll's (sent at, latency), on the time.monotonic clock."""
-    port = str(httpx.URL(url).port)
-    poller = subprocess.Popen(
-        [sys.executable, "-c", POLLER, port, str(POLL_EVERY_S)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert poller.stdout is not None and poller.stdin is not None
-        assert poller.stdout.readline().strip() == "ready"
-        with httpx.Client(base_url=url, timeout=120) as client:
-            answer = client.post(path, json=body, headers=AUTH)
-        poller.stdin.close()
-        polls = json.loads(poller.stdout.read())
-    finally:
-        if poller.poll() is None:
-            poller.kill()
-        poller.wait(30)
-    assert polls and {status for _, _, status in polls} == {200}
-    return answer, [(sent, latency) for sent, latency, _ in polls]
+    answer, polls, _, _ = health_polled(url, lambda c: c.post(path, json=body, headers=AUTH), POLL_EVERY_S)
+    return answer, polls
 
 
 def during_checks(polls: list[tuple[float, float]], checks: list[tuple[float, float]]) -> list[float]:

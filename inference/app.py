@@ -25,16 +25,14 @@ from pydantic import ValidationError
 from inference.config import GatewayConfig
 from inference.errors import BackendError, Reason, default_reason
 from inference.http.accounting import LogLimiter, RequestAccounting, RequestStats
+from inference.http.bodies import check_backend_up, generate_answer, read_generate, read_openai, scores_prompt
+from inference.http.evalroutes import eval_routes
 from inference.http.guard import BodyGuard
 from inference.http.intake import (
     STEP_IDS,
-    check_prompt_length,
-    check_sampling_sizes,
     json_object,
     lookup_request,
-    move_stop_ids,
     off_loop,
-    parse_generate,
     resolved_path,
     until_disconnect,
     validation_message,
@@ -48,15 +46,12 @@ from inference.wire import (
     ExpectRequest,
     ExpectResponse,
     LookupResponse,
-    OpenAIBodyLimits,
     PolicyStatus,
     PublishProbe,
     PublishRequest,
     PublishResponse,
     Sample,
     SamplingRequest,
-    sglang_generate_response,
-    vllm_generate_response,
 )
 
 log = logging.getLogger("inference.app")
@@ -92,29 +87,6 @@ def error(
     """OpenAI's error shape; `type` is the reason key the request accounting counts (inference.errors.Reason)."""
     body = {"message": message, "type": reason or default_reason(status), "code": status, **(detail or {})}
     return JSONResponse({"error": body}, status_code=status)
-
-
-def check_openai_body(gw: Gateway, body: dict[str, Any]) -> None:
-    """Validate an OpenAI completions/chat body before anything converts it: its numbers and sampling
-    parameters, and a token-id prompt against the vocabulary and the context."""
-    try:
-        limits = OpenAIBodyLimits.model_validate(body)
-    except ValidationError as exc:
-        raise BackendError(400, validation_message(exc)) from exc
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
-        batch = prompt if isinstance(prompt[0], list) else [prompt]  # one token-id prompt, or several
-        for one in batch:
-            check_prompt_length(one, gw.backend.max_model_len, "prompt")
-            try:
-                ids = SamplingRequest.model_validate({"prompt_token_ids": one}).prompt_token_ids
-            except ValidationError as exc:
-                raise BackendError(400, "prompt: " + validation_message(exc)) from exc
-            gw.validate_tokens(ids, limits.max_tokens or limits.max_completion_tokens or 16, "prompt")
-    elif prompt is not None and not isinstance(prompt, str | list):
-        raise BackendError(
-            400, f"prompt: expected text, a list of texts or a list of token ids, got {prompt!r:.80}"
-        )
 
 
 class Gateway:
@@ -193,8 +165,7 @@ class Gateway:
         """Run a backend call on the current policy, keeping that policy loaded until the call returns. With the
         client's `request`, the call is cancelled (and vLLM aborts its work) when the client goes away; `solo`
         runs it alone in the engine (inference/samplers/lanes.py)."""
-        if not self.backend.ready and self.backend.state in ("failed", "stopped"):
-            raise BackendError(503, f"sampling backend is {self.backend.state}")
+        check_backend_up(self.backend)
         await (self.gate.wait(n) if request is None else until_disconnect(request, self.gate.wait(n)))
         async with self.lane.enter(solo):
             return await self._run_on_current(coro_fn, request)
@@ -438,6 +409,7 @@ def create_app(
     app.include_router(openai_routes(gw))
     app.include_router(policy_routes(gw))
     app.include_router(named_routes(gw))
+    app.include_router(eval_routes(gw))
     return app
 
 
@@ -450,15 +422,6 @@ async def _backend_error(_: Request, exc: BackendError) -> JSONResponse:
 
 async def _request_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     return error(400, validation_message(exc))
-
-
-def check_prompt_logprobs(req: SamplingRequest, samples: list[Sample]) -> None:
-    """502 if prompt logprobs were asked for and the sampler gave none: atroposlib's get_logprobs would fail on
-    the answer with a message that blames the client."""
-    if req.sampling.get("prompt_logprobs") is not None and (
-        not samples or samples[0].prompt_logprobs is None
-    ):
-        raise BackendError(502, "the sampler answered without the prompt_logprobs that were asked for")
 
 
 def respond(body: Any, policy: Policy) -> JSONResponse:
@@ -478,27 +441,15 @@ def sampling_routes(gw: Gateway) -> APIRouter:
 
     @router.post("/generate")
     async def generate(request: Request) -> JSONResponse:
-        dialect, req, moved = await off_loop(request, checked_generate, gw, await json_object(request))
-        gw.note_moved_stop_ids("/generate", moved)
+        dialect, req = await read_generate(gw, request, "/generate")
         solo = req.sampling.get("prompt_logprobs") is not None
         samples, policy = await gw.run(lambda p: backend.sample(req, p), request, solo, req.n)
-        check_prompt_logprobs(req, samples)
+        answer = generate_answer(dialect, req, samples, policy.version)
         for s in samples:
             gw.record(req.prompt_token_ids, s.token_ids, policy)
-        if dialect == "sglang":
-            return respond(
-                sglang_generate_response(samples, policy.version, len(req.prompt_token_ids)), policy
-            )
-        return respond(vllm_generate_response(samples, policy.version), policy)
+        return respond(answer, policy)
 
     return router
-
-
-def checked_generate(gw: Gateway, body: dict[str, Any]) -> tuple[str, SamplingRequest, list[int]]:
-    """A /generate body parsed and checked against the vocabulary and the context (off the loop when large)."""
-    dialect, req, moved = parse_generate(body, gw.backend.max_model_len)
-    gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
-    return dialect, req, moved
 
 
 def openai_routes(gw: Gateway) -> APIRouter:
@@ -538,14 +489,9 @@ def openai_routes(gw: Gateway) -> APIRouter:
 
 async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse:
     """An OpenAI body passed to the backend under the current policy; what was sampled goes into the ledger."""
-    body = await json_object(request)
-    if body.get("stream"):
-        raise BackendError(400, "stream=true is not supported by the gateway; send stream=false")
-    gw.note_moved_stop_ids(path, await off_loop(request, checked_openai_body, gw, body))
-    body.setdefault("return_token_ids", True)  # lets the ledger record what was sampled
-    solo = body.get("prompt_logprobs") is not None or bool(body.get("echo"))  # both score the prompt
+    body = await read_openai(gw, request, path)
     result, policy = await gw.run(
-        lambda p: gw.backend.forward(path, body, p), request, solo, requested_sequences(body)
+        lambda p: gw.backend.forward(path, body, p), request, scores_prompt(body), requested_sequences(body)
     )
     for choice in result.get("choices", []):
         prompt_ids = choice.get("prompt_token_ids") or result.get("prompt_token_ids")
@@ -553,14 +499,6 @@ async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse
             gw.record(list(prompt_ids), list(choice["token_ids"]), policy)
     result["policy_version"] = policy.version
     return respond(result, policy)
-
-
-def checked_openai_body(gw: Gateway, body: dict[str, Any]) -> list[int]:
-    """Integer stop entries moved (returned), then the body checked (off the loop when large)."""
-    check_sampling_sizes(body)
-    moved = move_stop_ids(body)
-    check_openai_body(gw, body)
-    return moved
 
 
 def requested_sequences(body: dict[str, Any]) -> int:

@@ -132,6 +132,12 @@ class GatewayConfig(BaseModel):
         description=f"{KEEP_VERSIONS_MEANING}; launch.sh sets it to rollout.max_staleness unless given, and a "
         "gateway started by hand defaults to rollout.max_staleness's own default",
     )
+    named_slots: int = Field(
+        0,
+        ge=0,
+        description="LoRA slots for adapters served by name beside the policy window (POST /adapters/load: "
+        "evaluations of saved adapters, the Tinker-protocol service); vLLM's --max-loras adds them",
+    )
     ledger_size: int = Field(200_000, ge=1, description="completions remembered for /policy/lookup")
     request_timeout_s: float = Field(600.0, gt=0, description="per request to vLLM, seconds")
     max_body_bytes: int = Field(
@@ -170,7 +176,8 @@ class GatewayConfig(BaseModel):
 
     @property
     def max_loras(self) -> int:
-        return lora_slots(self.keep_versions)
+        """vLLM's --max-loras: the policy window's slots and the named adapters'."""
+        return lora_slots(self.keep_versions) + self.named_slots
 
 
 class GatewayConfigError(ValueError):

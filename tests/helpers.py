@@ -248,6 +248,7 @@ def launch_cmd(run_dir: Path, *overrides: str) -> list[str]:
         str(ROOT / "launch.sh"),
         "toy",  # no --config: the first command a new user types
         f"trainer.output_dir={run_dir}",
+        "eval.every_steps=0",  # the recipe's evaluations cost CPU that tests of other things do not need
         *overrides,
     ]
 

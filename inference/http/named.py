@@ -8,19 +8,21 @@ sample. They are loaded again after a vLLM restart like the live policies. Must 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections import Counter
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from inference.errors import BackendError
+from inference.http.bodies import ServedModel, check_backend_up, checked_generate
 from inference.http.intake import (
     json_object,
     off_loop,
-    parse_generate,
     resolved_path,
     until_disconnect,
     validation_message,
@@ -32,11 +34,12 @@ from inference.wire import (
     NamedAdapterLoaded,
     NamedAdapterUnload,
     NamedSampleResponse,
-    SamplingRequest,
 )
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 NAMED_VERSION = -1  # a named adapter is no policy version: the ledger never records it
+# The base model in /eval/base/... (inference/http/evalroutes.py): no adapter may take its name.
+BASE_TARGET = "base"
 
 
 def lora_name_of(name: str) -> str:
@@ -67,6 +70,30 @@ class NamedAdapters:
     def paths(self) -> dict[str, str]:
         return {name: str(p.adapter_path) for name, p in self._by_name.items()}
 
+    def loaded(self, name: str) -> Policy:
+        """The adapter served as `name`; 404 `adapter_not_loaded` when none is."""
+        policy = self._by_name.get(name)
+        if policy is None:
+            raise BackendError(
+                404,
+                f"no adapter named {name!r:.120} is loaded (the gateway may have restarted): load it with "
+                "POST /adapters/load, then send the request again",
+                reason="adapter_not_loaded",
+            )
+        return policy
+
+    @contextlib.contextmanager
+    def running(self, name: str | None) -> Iterator[None]:
+        """Count a request on adapter `name` (None: the base model) while it runs: /adapters/unload waits for none."""
+        key = name or ""
+        self.in_flight[key] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[key] -= 1
+            if self.in_flight[key] <= 0:
+                del self.in_flight[key]
+
 
 def check_name(name: object) -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
@@ -78,17 +105,15 @@ def check_name(name: object) -> str:
     return name
 
 
-class Host(Protocol):
+class Host(ServedModel, Protocol):
     """What the routes use of the gateway (inference.app.Gateway)."""
 
-    backend: Any
     registry: PolicyRegistry
     named: NamedAdapters
     publish_lock: asyncio.Lock
     lane: SoloLane
 
     def authorized(self, request: Request) -> bool: ...
-    def validate_tokens(self, ids: list[int], max_tokens: int, field: str) -> None: ...
 
 
 def named_routes(gw: Host) -> APIRouter:
@@ -113,6 +138,12 @@ def named_routes(gw: Host) -> APIRouter:
         except ValidationError as exc:
             raise BackendError(400, validation_message(exc)) from exc
         name, path = check_name(req.name), resolved_path(req.adapter_path)
+        if name == BASE_TARGET:
+            raise BackendError(
+                400,
+                f"adapter name {name!r} is reserved for the base model (sampled at /eval/{BASE_TARGET}/... and by "
+                "/adapters/generate with adapter null); choose another name",
+            )
         async with gw.publish_lock:  # one adapter load at a time, policies' and names' alike
             known = named.get(name)
             if known is not None:
@@ -143,48 +174,29 @@ def named_routes(gw: Host) -> APIRouter:
             req = NamedAdapterUnload.model_validate(await json_object(request))
         except ValidationError as exc:
             raise BackendError(400, validation_message(exc)) from exc
-        if named.in_flight[req.name]:
-            raise BackendError(
-                409,
-                f"adapter {req.name!r} has {named.in_flight[req.name]} request(s) running; unload it later",
-            )
         async with gw.publish_lock:
+            # Checked under the lock, with no await before the removal: a request that starts after it gets a 404.
+            if named.in_flight[req.name]:
+                raise BackendError(
+                    409,
+                    f"adapter {req.name!r} has {named.in_flight[req.name]} request(s) running; unload it later",
+                )
             policy = named.remove(req.name)
             if policy is not None:
                 await backend.unload_adapter(policy)
         return {"name": req.name, "unloaded": policy is not None}
-
-    def checked_generate(body: dict[str, Any]) -> SamplingRequest:
-        """Parsed and checked against the vocabulary and the context (off the loop when large, like /generate)."""
-        _, req, _ = parse_generate(body, backend.max_model_len)
-        gw.validate_tokens(req.prompt_token_ids, req.max_tokens, "prompt token ids")
-        return req
 
     @router.post("/adapters/generate")
     async def generate(request: Request) -> NamedSampleResponse:
         """/generate's vLLM dialect plus "adapter" (a name; null: the base model) and "prompt_logprobs"."""
         body = await json_object(request)
         adapter = body.pop("adapter", None)
-        policy = gw.registry.base if adapter is None else named.get(check_name(adapter))
-        if policy is None:
-            raise BackendError(
-                404,
-                f"no adapter named {adapter!r} is loaded (the gateway may have restarted): load it with "
-                "POST /adapters/load, then send the request again",
-                reason="adapter_not_loaded",
-            )
-        req = await off_loop(request, checked_generate, body)
-        if not backend.ready and backend.state in ("failed", "stopped"):
-            raise BackendError(503, f"sampling backend is {backend.state}")
-        key = adapter or ""
-        named.in_flight[key] += 1
-        try:
+        policy = gw.registry.base if adapter is None else named.loaded(check_name(adapter))
+        with named.running(adapter):  # from the lookup on: an unload must not pull the adapter from under it
+            _, req, _ = await off_loop(request, checked_generate, gw, body)
+            check_backend_up(backend)
             async with gw.lane.enter(req.sampling.get("prompt_logprobs") is not None):
                 samples = await until_disconnect(request, backend.sample(req, policy))
-        finally:
-            named.in_flight[key] -= 1
-            if named.in_flight[key] <= 0:
-                del named.in_flight[key]
         return NamedSampleResponse(adapter=adapter, samples=samples)
 
     return router

@@ -31,6 +31,8 @@ ABOVE_TRAINING = {"trainer.backends", "trainer.orchestration", "trainer.service"
 ORCHESTRATION_MODULES = {
     "__init__",
     "commands",  # the command lines of each process
+    "evaluation",  # the evaluate processes of a run, on its schedule
+    "eval_cli",  # python -m trainer eval: a gateway and evaluate processes for saved adapters
     "gateway_process",
     "idle",  # why a supervised run is idle
     "launcher",

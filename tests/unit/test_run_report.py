@@ -76,8 +76,13 @@ def written(folder: Path) -> tuple[str, dict[str, Any]]:
 
 
 def test_a_run_folder_gets_its_report_and_a_rerun_rewrites_it(tmp_path, capsys):
-    rows = [row(s, **({"eval/accuracy": 0.1 * s} if s % 10 == 0 else {})) for s in range(1, 21)]
-    run = make_run(tmp_path / "run", rows)
+    run = make_run(tmp_path / "run", [row(s) for s in range(1, 21)])
+    evals = [
+        {"step": 0, "status": "ok", "target": "base", "eval/pass@1": 0.1, "unix_time": 1.0},
+        {"step": 10, "status": "failed", "target": "step 10", "reason": "timeout", "unix_time": 2.0},
+        {"step": 20, "status": "ok", "target": "step 20", "eval/pass@1": 0.9, "unix_time": 3.0},
+    ]
+    (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals) + "{half a line")
     assert report.main([str(run), "--ended", "stopped by SIGTERM"]) == 0
     assert capsys.readouterr().out.strip() == str(run / "report" / "report.md")
     page, facts = written(run)
@@ -85,7 +90,12 @@ def test_a_run_folder_gets_its_report_and_a_rerun_rewrites_it(tmp_path, capsys):
     assert "final 0.7 (step 20), best 0.7 (step 20)" in page
     assert f"{run / 'checkpoints'} (a resume loads step-000020)" in page
     assert "3 versions, newest v000003" in page and "| restarts and faults | none |" in page
-    assert (run / "report" / "eval.png").read_bytes()[:8] == PNG  # drawn only where a run logs eval metrics
+    assert (run / "report" / "eval.png").read_bytes()[:8] == PNG  # drawn only where a run has evaluations
+    assert (
+        "| held-out eval | step 0: pass@1 0.1 -> step 20: pass@1 0.9 (3 evaluations, 1 failed, 0 skipped while one ran); failed: step 10: timeout |"
+        in page
+    )
+    assert facts["eval"]["last"] == {"step": 20, "pass@1": 0.9} and "eval.jsonl line 4 is not JSON" in page
     assert facts["steps_done"] == 20 and facts["summary"]["step_s_median"] == 1.0
     # The resumed run ends: the same folder, rewritten whole (no --ended: finished is read from the step count).
     (run / "metrics.jsonl").write_text("".join(json.dumps(row(s)) + "\n" for s in range(1, 31)))

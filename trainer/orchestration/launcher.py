@@ -78,6 +78,8 @@ def gateway_section(cfg: RunConfig, model_path: str, address: dict[str, Any] | N
     section = {**cfg.inference, **(address or {})}
     # Every version the trainer may still accept stays loaded: the gateway keeps the trainer's window unless told.
     section.setdefault("keep_versions", cfg.rollout.max_staleness)
+    if cfg.eval.on:  # the adapter under evaluation is served by name beside the policy window
+        section.setdefault("named_slots", 1)
     if cfg.launch.backend == "tinker":
         section["sampler"] = "tinker"
         section.setdefault("model", cfg.model.path)
@@ -332,6 +334,10 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
 
 
 def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: SlurmJob | None = None) -> int:
+    if cfg.eval.on and cfg.launch.backend == "tinker":
+        # Evaluation samples saved adapter folders through the local gateway's vLLM, which a Tinker run has not.
+        print("launch.sh: no held-out evaluation with launch.backend=tinker; eval.every_steps set to 0", flush=True)
+        cfg.eval.every_steps = 0
     if dry_run:
         return print_dry_run(cfg, run_dir, job)
     done = read_latest(run_dir) if resumed else None

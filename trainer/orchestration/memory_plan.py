@@ -308,9 +308,8 @@ class VLLMSettings:
         return cls(
             dtype=str(v["dtype"]),
             max_lora_rank=int(v["max_lora_rank"]),
-            max_loras=lora_slots(
-                int(gateway["keep_versions"])
-            ),  # vLLM's --max-loras, as the gateway passes it
+            # vLLM's --max-loras, as the gateway passes it
+            max_loras=lora_slots(int(gateway["keep_versions"])) + int(gateway.get("named_slots") or 0),
             max_model_len=v["max_model_len"],
             gpu_memory_utilization=v["gpu_memory_utilization"],
             kv_cache_memory_bytes=v["kv_cache_memory_bytes"],

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from trainer.orchestration.commands import PY
+from trainer.orchestration.evaluation import Evaluator
 from trainer.orchestration.idle import Snapshot, explain_idle, log_tail
 from trainer.orchestration.processes import Component, drain_backlog, stop_all
 from trainer.training.checkpoints import VERSION_DIR, write_atomic
@@ -94,17 +95,25 @@ class Supervisor:
         self.next_idle_warning = 0.0
         token = cfg.inference.get("publish_token")
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self.evaluator = Evaluator(cfg, run_dir, cfg.launch.gateway_url or "", self.auth)
+        self.last_row: dict[str, Any] | None = None
 
     def run(self) -> int:
         self.write_pids()
-        while (code := self.poll()) is None:
-            time.sleep(0.5)
-        return code
+        self.evaluator.start()
+        try:
+            while (code := self.poll()) is None:
+                time.sleep(0.5)
+            return code
+        finally:
+            self.evaluator.stop()  # an evaluation still running when the run stops or fails
 
     def poll(self) -> int | None:
         self.print_new_rows()
+        self.evaluator.poll()
         code = self.trainer.exited()
         if code == 0:
+            self.evaluator.finish(self.last_row)
             print(
                 f"run finished: {self.metrics}\ncompare runs: {Path(PY).parent}/python -m trainer report "
                 f"{self.run_dir} OTHER_RUN_DIR ... --out REPORT_DIR",
@@ -261,7 +270,10 @@ class Supervisor:
             self.rows_seen = len(rows)
         for line in rows[self.rows_seen :]:
             with contextlib.suppress(ValueError, KeyError):
-                print(progress_line(json.loads(line), self.cfg.rollout.num_steps), flush=True)
+                row = json.loads(line)
+                print(progress_line(row, self.cfg.rollout.num_steps), flush=True)
+                self.last_row = row
+                self.evaluator.on_row(row)
         if len(rows) > self.rows_seen:
             self.progress_at = time.monotonic()
             self.progress_seen = self.latest  # the last probe's counts: at most PROBE_EVERY_S old

@@ -24,7 +24,7 @@ class Panel:
     x: str  # the row key of the x axis
     xlabel: str = ""  # default: the key
     ys: tuple[str, ...] = ()  # row keys, a line each
-    ys_prefix: str | None = None  # or: every key a run has with this prefix (e.g. the fault kinds it saw)
+    ys_prefix: str | None = None  # and: every key a run has with this prefix (e.g. the fault kinds it saw)
     right: tuple[str, ...] = ()  # row keys on a second y axis (another unit or scale), drawn dashed
     steps: bool = False  # counters: drawn as steps
     skip_empty: bool = False  # no file at all when no run has a point (eval, which few runs log)
@@ -33,7 +33,7 @@ class Panel:
     def keys(self, rows: list[dict[str, Any]]) -> list[str]:
         if self.ys_prefix is None:
             return [*self.ys, *self.right]
-        return sorted(k for k in set().union(*rows) if k.startswith(self.ys_prefix))
+        return [*self.ys, *sorted(k for k in set().union(*rows) if k.startswith(self.ys_prefix))]
 
 
 class Plotted(Protocol):
@@ -107,7 +107,7 @@ def _lines(ax: Any, runs: Sequence[Plotted], panel: Panel) -> tuple[int, list[st
             xs, ys = points(run.rows, panel.x, key)
             if not xs:
                 continue
-            shown = key.removeprefix(panel.ys_prefix or "")
+            shown = key if key in panel.ys else key.removeprefix(panel.ys_prefix or "")
             label = run.name if len(keys) == 1 else shown if len(runs) == 1 else f"{run.name}: {shown}"
             style: dict[str, Any] = {"drawstyle": "steps-post"} if panel.steps else {}
             if len(xs) <= MARKERS_UP_TO and not panel.steps:

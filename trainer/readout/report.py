@@ -32,7 +32,15 @@ from typing import Any
 import yaml
 
 from trainer.readout.plots import Panel, draw
-from trainer.readout.runfolder import ELAPSED, EVENTS, checkpoint_facts, number, numbers, read_metrics
+from trainer.readout.runfolder import (
+    ELAPSED,
+    EVENTS,
+    checkpoint_facts,
+    number,
+    numbers,
+    read_eval,
+    read_metrics,
+)
 from trainer.readout.summary import summarize
 
 WALL = "wall time (s, summed over the run's segments)"
@@ -47,7 +55,6 @@ COMPARE_PANELS = [
 RUN_PANELS = [
     Panel("reward_per_step.png", "reward per step", "step", ys=("reward/mean",)),
     Panel("reward_over_wall_time.png", "reward over wall time", ELAPSED, WALL, ys=("reward/mean",)),
-    Panel("eval.png", "eval metrics per step", "step", ys_prefix="eval/", skip_empty=True),
     Panel("loss.png", "loss", "step", ys=("loss",)),
     Panel("grad_norm.png", "gradient norm", "step", ys=("optim/grad_norm",)),
     Panel(
@@ -81,6 +88,32 @@ RUN_PANELS = [
         empty_note="no restarts or faults",
     ),
 ]
+# Drawn when the run has evaluations (RUN_DIR/eval.jsonl): held-out pass@k and reward beside the training reward, and
+# whatever an environment's own evaluate() reported through wandb_log (`reported/<key>`).
+EVAL_PANELS = [
+    Panel(
+        "eval.png",
+        "held-out eval and training reward per step",
+        "step",
+        ys=("reward/mean", "eval/reward/mean"),
+        ys_prefix="eval/pass@",
+    ),
+    Panel(
+        "eval_over_wall_time.png",
+        "held-out eval and training reward over wall time",
+        ELAPSED,
+        WALL,
+        ys=("reward/mean", "eval/reward/mean"),
+        ys_prefix="eval/pass@",
+    ),
+    Panel(
+        "eval_reported.png",
+        "what the environment's evaluate() reported",
+        "step",
+        ys_prefix="reported/",
+        skip_empty=True,
+    ),
+]
 REPORT_DIR = "report"  # a run's own report: RUN_DIR/report/
 
 
@@ -93,6 +126,13 @@ class Run:
     problems: list[str] = field(default_factory=list)
     segments: int = 0
     fault_totals: dict[str, float] = field(default_factory=dict)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # RUN_DIR/eval.jsonl
+
+
+@dataclass
+class Plotted:
+    name: str
+    rows: list[dict[str, Any]]
 
 
 def load_run(folder: Path) -> Run:
@@ -111,7 +151,17 @@ def load_run(folder: Path) -> Run:
     if not isinstance(config, dict):
         problems.append(f"{folder / 'config.yaml'} is not a mapping")
         config = {}
-    return Run(folder.name, config, metrics.rows, folder, problems, metrics.segments, metrics.fault_totals)
+    evals, eval_problems = read_eval(folder, metrics.rows)
+    return Run(
+        folder.name,
+        config,
+        metrics.rows,
+        folder,
+        problems + eval_problems,
+        metrics.segments,
+        metrics.fault_totals,
+        evals,
+    )
 
 
 def _section(run: Run, name: str) -> dict[str, Any]:
@@ -212,8 +262,51 @@ def run_facts(run: Run, ended: str | None) -> dict[str, Any]:
         "first_to_last_step_s": unix[-1] - unix[0] if len(unix) > 1 else None,
         "faults": run.fault_totals,
         **checkpoint_facts(run.folder),
+        "eval": eval_facts(run.evals),
         "problems": run.problems,
     }
+
+
+def eval_facts(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first and last successful evaluation's numbers, and how many evaluations ran and failed."""
+    if not evals:
+        return None
+    ok = [r for r in evals if r.get("status") == "ok"]
+
+    def numbers_of(r: dict[str, Any]) -> dict[str, float]:
+        return {
+            k.removeprefix("eval/"): v
+            for k, v in r.items()
+            if k.startswith("eval/") and number(r, k) is not None
+        }
+
+    return {
+        "evaluations": len(evals),
+        "failed": sum(r.get("status") == "failed" for r in evals),
+        "skipped": sum(r.get("status") == "skipped" for r in evals),
+        "first": {"step": ok[0].get("step"), **numbers_of(ok[0])} if ok else None,
+        "last": {"step": ok[-1].get("step"), **numbers_of(ok[-1])} if ok else None,
+        "failures": [f"{r.get('target')}: {r.get('reason')}" for r in evals if r.get("status") == "failed"][
+            -3:
+        ],
+    }
+
+
+def eval_cell(e: dict[str, Any] | None) -> str:
+    if e is None:
+        return "none (eval.every_steps=0)"
+    parts = []
+    for end in ("first", "last"):
+        if e[end] is not None:
+            shown = [
+                f"{k} {cell(v)}" for k, v in e[end].items() if k.startswith("pass@") or k == "reward/mean"
+            ]
+            parts.append(f"step {e[end]['step']}: " + ", ".join(shown))
+    text = " -> ".join(parts) or "no evaluation succeeded"
+    text += f" ({e['evaluations']} evaluations, {e['failed']} failed, {e['skipped']} skipped while one ran)"
+    if e["failures"]:
+        text += "; failed: " + "; ".join(e["failures"])
+    return text
 
 
 def run_page(facts: dict[str, Any], timing: dict[str, Any], images: list[str], empty: list[str]) -> str:
@@ -248,6 +341,7 @@ def run_page(facts: dict[str, Any], timing: dict[str, Any], images: list[str], e
         ("ended", f["ended"] or "not finished (stopped, failed or still running)"),
         ("steps", f"{f['steps_done']} of {planned}"),
         ("reward", reward),
+        ("held-out eval", eval_cell(f["eval"])),
         ("wall time", wall),
         ("restarts and faults", faults),
         ("median step", split),
@@ -261,7 +355,7 @@ def run_page(facts: dict[str, Any], timing: dict[str, Any], images: list[str], e
     if f["problems"]:
         text += ["", "Read as it is:", *[f"- {p}" for p in f["problems"]]]
     text += ["", "## Plots", ""]
-    titles = {p.filename: p.title for p in RUN_PANELS}
+    titles = {p.filename: p.title for p in [*RUN_PANELS, *EVAL_PANELS]}
     for name in images:
         if name not in empty:
             text += [f"### {titles.get(name, name)}", "", f"![{name}]({name})", ""]
@@ -276,6 +370,9 @@ def write_run_report(folder: Path, out: Path | None = None, ended: str | None = 
     out = out or folder / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     images, empty = draw([run], RUN_PANELS, out)
+    if run.evals:
+        more, _ = draw([Plotted(run.name, run.rows + run.evals)], EVAL_PANELS, out)
+        images += more
     facts = run_facts(run, ended)
     timing = summarize(run.rows)
     tokens_s = numbers(run.rows, "perf/tokens_per_s")

@@ -129,3 +129,36 @@ def checkpoint_facts(run_dir: Path) -> dict[str, Any]:
         "adapter_versions": len(versions),
         "newest_adapter": versions[-1] if versions else None,
     }
+
+
+def read_eval(run_dir: Path, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """RUN_DIR/eval.jsonl's rows (the held-out evaluations), each placed on the run's wall time: `derived/elapsed_s`
+    of the training row written just before it, plus the seconds since (0 before the first). Unreadable lines are
+    skipped and said."""
+    path = run_dir / "eval.jsonl"
+    evals, problems = [], []
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return [], []
+    except OSError as exc:
+        return [], [f"{path} cannot be read: {exc}"]
+    for n, text in enumerate(lines, 1):
+        try:
+            row = json.loads(text)
+        except ValueError:
+            problems.append(f"{path} line {n} is not JSON; skipped")
+            continue
+        if isinstance(row, dict):
+            evals.append(row)
+    clock = [
+        (t, e)
+        for r in rows
+        if (t := number(r, "unix_time")) is not None and (e := number(r, ELAPSED)) is not None
+    ]
+    for row in evals:
+        at = number(row, "unix_time")
+        before = [(t, e) for t, e in clock if at is not None and t <= at]
+        if at is not None:
+            row[ELAPSED] = before[-1][1] + at - before[-1][0] if before else 0.0
+    return evals, problems

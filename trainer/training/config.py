@@ -251,6 +251,41 @@ class RolloutConfig(_Section):
         return self.group_size * self.groups_per_step
 
 
+class EvalConfig(_Section):
+    """Held-out evaluation while training: the environment's own evaluate() in a process of its own, sampling the
+    policy of one step through the gateway's /eval/<target>/ routes (no on-policy gate, quota or ledger)."""
+
+    every_steps: int = Field(0, ge=0, description="evaluate every N optimizer steps; 0 = no evaluation")
+    at_start: bool = Field(True, description="also evaluate the base model before the first step")
+    at_end: bool = Field(True, description="also evaluate the final policy after the last step")
+    max_items: int = Field(
+        0, ge=0, description="eval items per evaluation; 0 = the environment's whole eval set"
+    )
+    k: int = Field(1, ge=1, description="samples per item: pass@1 and, when > 1, pass@k (unbiased estimator)")
+    temperature: float = Field(
+        0.0, ge=0, description="eval sampling temperature; 0 = greedy (then k must be 1)"
+    )
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="completion limit in eval; None = rollout.max_new_tokens"
+    )
+    timeout_s: float = Field(
+        1800.0, gt=0, description="an evaluation running longer is stopped and recorded as failed, seconds"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.k > 1 and self.temperature == 0:
+            raise ValueError(
+                f"eval.k={self.k} with eval.temperature=0: greedy samples of one prompt are identical, so pass@k "
+                "would equal pass@1; set eval.temperature (e.g. 1.0) or eval.k=1"
+            )
+        return self
+
+    @property
+    def on(self) -> bool:
+        return self.every_steps > 0
+
+
 class TinkerConfig(_Section):
     timeout_s: float = Field(60.0, gt=0, description="deadline for any single Tinker call, seconds")
     tokenizer: str | None = Field(None, description="tokenizer (hub id or folder); None = model.path")
@@ -374,6 +409,7 @@ class RunConfig(_Section):
         "gateway's model (python -m inference.config) and writes it to RUN_DIR/gateway.yaml",
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     publish: PublishConfig = Field(default_factory=PublishConfig)

@@ -151,6 +151,9 @@ class MetricsWriter:
     def __init__(self, path: Path, use_wandb: bool, cfg: RunConfig):
         self.path = path
         self._wandb = None
+        # Bytes of RUN_DIR/eval.jsonl already logged: a resumed trainer's predecessor logged those before it.
+        eval_file = path.parent / "eval.jsonl"
+        self._eval_read = eval_file.stat().st_size if eval_file.exists() else 0
         if use_wandb:
             import wandb
 
@@ -167,7 +170,39 @@ class MetricsWriter:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if v is not None}, step=row["step"])
+            logged = {k: v for k, v in row.items() if v is not None}
+            # The launcher's evaluations (RUN_DIR/eval.jsonl) reach W&B through this one writer, at the step
+            # they finished by; eval/step says which step's policy each one evaluated.
+            for evaluation in self._new_evaluations():
+                logged.update(evaluation)
+            self._wandb.log(logged, step=row["step"])
+
+    def _new_evaluations(self) -> list[dict[str, float]]:
+        path = self.path.parent / "eval.jsonl"
+        try:
+            with path.open("rb") as f:
+                f.seek(self._eval_read)
+                text = f.read()
+        except OSError:
+            return []
+        complete = text[: text.rfind(b"\n") + 1]
+        self._eval_read += len(complete)
+        found = []
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("status") == "ok":
+                numbers = {
+                    k: float(v)
+                    for k, v in entry.items()
+                    if k.startswith(("eval/", "reported/"))
+                    and isinstance(v, int | float)
+                    and not isinstance(v, bool)
+                }
+                found.append({**numbers, "eval/step": float(entry.get("step") or 0)})
+        return found
 
     def close(self) -> None:
         if self._wandb is not None:

@@ -1,0 +1,210 @@
+"""The run's evaluation schedule and its evaluate processes (trainer/orchestration/evaluation.py), with a stand-in
+environment process (a Python one-liner writing what Atropos's evaluate_log and our wandb_log capture write) and a
+stand-in gateway that records adapter loads and unloads."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI, Request
+
+from tests.helpers import make_cfg, serve_app
+from trainer.orchestration import evaluation
+from trainer.orchestration.evaluation import Evaluator, eval_command, read_outputs, read_rows
+
+# Writes metrics.json (pass@1 grows with the step in the target's name) and one wandb_log line, like an env would.
+FAKE_ENV = """
+import json, pathlib, sys, time
+out, target, mode = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+if mode == "hang":
+    time.sleep(60)
+if mode == "crash":
+    print("ValueError: the scorer broke", flush=True)
+    sys.exit(3)
+step = int(target.rsplit("-", 1)[1]) if target.startswith("eval-step-") else 0
+metrics = {"pass@1": step / 20, "reward/mean": step / 40, "items": 8}
+(out / "metrics.json").write_text(json.dumps({"results": {"all": metrics}}))
+(out / "wandb_log.jsonl").write_text(json.dumps({"conformance/accuracy": step / 20, "note": "x", "bad": [1]}) + "\\n")
+"""
+
+
+@pytest.fixture
+def gateway():
+    """A stand-in for the gateway's adapter routes: records each load and unload."""
+    app, calls = FastAPI(), []
+
+    @app.post("/adapters/load")
+    async def load(request: Request) -> dict[str, str]:
+        calls.append(("load", (await request.json())["name"]))
+        return {"name": "x"}
+
+    @app.post("/adapters/unload")
+    async def unload(request: Request) -> dict[str, str]:
+        calls.append(("unload", (await request.json())["name"]))
+        return {"name": "x"}
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    with serve_app(app, sock) as url:
+        yield url, calls
+
+
+def fake(monkeypatch, mode: str = "ok") -> None:
+    def command(cfg, model_path, gateway_url, target, out_dir):
+        return [sys.executable, "-c", FAKE_ENV, str(out_dir), target, mode]
+
+    monkeypatch.setattr(evaluation, "eval_command", command)
+
+
+def run_dir_with_adapters(tmp_path: Path, versions: list[int]) -> Path:
+    for v in versions:
+        (tmp_path / "adapters" / f"v{v}").mkdir(parents=True)
+    return tmp_path
+
+
+def settle(ev: Evaluator) -> None:
+    deadline = time.monotonic() + 30
+    while ev.running is not None:
+        assert time.monotonic() < deadline
+        ev.poll()
+        time.sleep(0.05)
+
+
+def test_the_schedule_evaluates_base_every_n_steps_and_the_end_and_skips_what_comes_due_while_busy(
+    tmp_path, monkeypatch, gateway, capsys
+):
+    url, calls = gateway
+    fake(monkeypatch)
+    run_dir = run_dir_with_adapters(tmp_path, [5, 10, 20])
+    cfg = make_cfg(run_dir, eval__every_steps=5, rollout__num_steps=20)
+    ev = Evaluator(cfg, run_dir, url, {})
+    ev.start()
+    settle(ev)
+    ev.on_row({"step": 5, "policy_version": 5})
+    ev.on_row({"step": 10, "policy_version": 10})  # the step-5 evaluation still runs: skipped, counted
+    settle(ev)
+    ev.on_row({"step": 12, "policy_version": 12})  # not a multiple of 5
+    ev.finish({"step": 20, "policy_version": 20})
+    rows = read_rows(run_dir)
+    assert [(r["step"], r["target"], r["status"]) for r in rows] == [
+        (0, "base", "ok"),
+        (10, "step 10", "skipped"),
+        (5, "step 5", "ok"),
+        (20, "step 20", "ok"),
+    ]
+    assert rows[2]["eval/pass@1"] == 0.25 and rows[3]["eval/pass@1"] == 1.0 and rows[0]["eval/items"] == 8
+    assert rows[3]["reported/conformance/accuracy"] == 1.0 and "reported/bad" not in rows[3]
+    assert "step 5 was still running" in rows[1]["reason"]
+    # Adapters are loaded for their evaluation only; the base model needs none.
+    assert calls == [
+        ("load", "eval-step-5"),
+        ("unload", "eval-step-5"),
+        ("load", "eval-step-20"),
+        ("unload", "eval-step-20"),
+    ]
+    out = capsys.readouterr().out
+    assert "eval step 5 (v5) | " in out and "pass@1 0.250" in out and "step 10 skipped" in out
+    # Resumed: the steps already evaluated are not evaluated again.
+    again = Evaluator(cfg, run_dir, url, {})
+    again.start()
+    again.finish({"step": 20, "policy_version": 20})
+    assert again.running is None and len(read_rows(run_dir)) == 4
+
+
+@pytest.mark.parametrize("mode", ["crash", "hang"])
+def test_a_failing_or_hanging_evaluation_is_recorded_and_the_run_goes_on(
+    tmp_path, monkeypatch, gateway, mode
+):
+    url, calls = gateway
+    fake(monkeypatch, mode)
+    run_dir = run_dir_with_adapters(tmp_path, [5])
+    cfg = make_cfg(run_dir, eval__every_steps=5, eval__timeout_s=1.0, rollout__num_steps=20)
+    ev = Evaluator(cfg, run_dir, url, {})
+    ev.on_row({"step": 5, "policy_version": 5})
+    settle(ev)
+    (row,) = read_rows(run_dir)
+    assert row["status"] == "failed" and row["step"] == 5
+    if mode == "crash":
+        assert "exited with code 3" in row["reason"] and "ValueError: the scorer broke" in row["reason"]
+    else:
+        assert "eval.timeout_s=1" in row["reason"] and row["seconds"] < 15
+    assert calls[-1] == ("unload", "eval-step-5")
+    assert 5 not in ev.done_steps  # a resumed run tries it again
+
+
+def test_a_missing_adapter_or_a_refusing_gateway_fails_the_evaluation_not_the_run(tmp_path, monkeypatch):
+    fake(monkeypatch)
+    cfg = make_cfg(tmp_path, eval__every_steps=5, rollout__num_steps=20)
+    ev = Evaluator(cfg, tmp_path, "http://127.0.0.1:9", {})
+    ev.on_row({"step": 5, "policy_version": 5})  # no adapters/v5
+    settle(ev)
+    (tmp_path / "adapters" / "v10").mkdir(parents=True)
+    ev.on_row({"step": 10, "policy_version": 10})  # nothing listens at the gateway's address
+    settle(ev)
+    reasons = [r["reason"] for r in read_rows(tmp_path)]
+    assert "no adapter folder" in reasons[0] and "ConnectError" in reasons[1]
+
+
+def test_the_evaluate_command_targets_the_eval_routes_and_lets_env_args_win(tmp_path):
+    cfg = make_cfg(
+        tmp_path,
+        eval__every_steps=5,
+        eval__k=4,
+        eval__temperature=1.0,
+        rollout__env_args={"eval_k": 2},
+    )
+    argv = eval_command(cfg, "/m", "http://gw:1", "eval-step-5", tmp_path / "out")
+    assert argv[1:4] == ["-m", "environments.toy", "evaluate"]
+    assert "--openai.base_url=http://gw:1/eval/eval-step-5/v1" in argv
+    assert f"--env.data_dir_to_save_evals={tmp_path / 'out'}" in argv and "--env.use_wandb=False" in argv
+    assert [a for a in argv if a.startswith("--env.eval_k")] == ["--env.eval_k=2"]
+    env_file = tmp_path / "my_env.py"
+    env_file.write_text("")
+    cfg.rollout.env = str(env_file)
+    argv = eval_command(cfg, "/m", "http://gw:1", "base", tmp_path / "out")
+    assert argv[1:5] == ["-m", "environments.upstream", str(env_file), "evaluate"]
+    assert "--user-keys=eval_k" in argv
+
+
+def test_unreadable_outputs_count_as_nothing_reported(tmp_path):
+    (tmp_path / "metrics.json").write_text('{"results": {"all": {"pass@1": NaN, "acc": "x", "n": 3}}}')
+    (tmp_path / "wandb_log.jsonl").write_text('not json\n[1]\n{"a": 1, "b": Infinity}\n')
+    assert read_outputs(tmp_path) == ({"n": 3.0}, [{"a": 1}])
+    (tmp_path / "metrics.json").write_text("[")
+    assert read_outputs(tmp_path)[0] == {}
+
+
+def test_greedy_pass_at_k_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="greedy samples of one prompt are identical"):
+        make_cfg(tmp_path, eval__k=4)
+
+
+def test_evaluations_reach_wandb_through_the_trainers_writer_once_each(tmp_path):
+    from trainer.training.loop import MetricsWriter
+
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 0, "status": "ok", "eval/pass@1": 0.0}) + "\n")
+    writer = MetricsWriter(
+        tmp_path / "metrics.jsonl", False, make_cfg(tmp_path)
+    )  # a resumed run: logged before
+    logged: list[tuple[dict, int]] = []
+    writer._wandb = type("W", (), {"log": lambda self, d, step: logged.append((d, step))})()
+    rows = [
+        {"step": 5, "status": "ok", "eval/pass@1": 0.5, "reported/acc": 1, "target": "step 5"},
+        {"step": 10, "status": "failed", "reason": "x"},
+    ]
+    with (tmp_path / "eval.jsonl").open("a") as f:
+        f.write(
+            "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 15, "sta'
+        )  # the last one half written
+    writer.write({"step": 7, "loss": 1.0})
+    writer.write({"step": 8, "loss": None})
+    assert logged == [
+        ({"step": 7, "loss": 1.0, "eval/pass@1": 0.5, "reported/acc": 1.0, "eval/step": 5.0}, 7),
+        ({"step": 8}, 8),
+    ]

@@ -81,13 +81,14 @@ def test_the_schedule_evaluates_base_every_n_steps_and_the_end_and_skips_what_co
 ):
     url, calls = gateway
     fake(monkeypatch)
-    run_dir = run_dir_with_adapters(tmp_path, [5, 10, 20])
+    run_dir = run_dir_with_adapters(tmp_path, [5, 10, 15, 20])
     cfg = make_cfg(run_dir, eval__every_steps=5, rollout__num_steps=20)
     ev = Evaluator(cfg, run_dir, url, {})
     ev.start()
     settle(ev)
     ev.on_row({"step": 5, "policy_version": 5})
-    ev.on_row({"step": 10, "policy_version": 10})  # the step-5 evaluation still runs: skipped, counted
+    ev.on_row({"step": 10, "policy_version": 10})  # the step-5 evaluation still runs: step 10 waits
+    ev.on_row({"step": 15, "policy_version": 15})  # and is replaced by step 15, recorded as skipped
     settle(ev)
     ev.on_row({"step": 12, "policy_version": 12})  # not a multiple of 5
     ev.finish({"step": 20, "policy_version": 20})
@@ -96,25 +97,21 @@ def test_the_schedule_evaluates_base_every_n_steps_and_the_end_and_skips_what_co
         (0, "base", "ok"),
         (10, "step 10", "skipped"),
         (5, "step 5", "ok"),
+        (15, "step 15", "ok"),
         (20, "step 20", "ok"),
     ]
-    assert rows[2]["eval/pass@1"] == 0.25 and rows[3]["eval/pass@1"] == 1.0 and rows[0]["eval/items"] == 8
-    assert rows[3]["reported/conformance/accuracy"] == 1.0 and "reported/bad" not in rows[3]
-    assert "step 5 was still running" in rows[1]["reason"]
+    assert rows[2]["eval/pass@1"] == 0.25 and rows[4]["eval/pass@1"] == 1.0 and rows[0]["eval/items"] == 8
+    assert rows[4]["reported/conformance/accuracy"] == 1.0 and "reported/bad" not in rows[4]
+    assert "step 15 came due while it waited for step 5" in rows[1]["reason"]
     # Adapters are loaded for their evaluation only; the base model needs none.
-    assert calls == [
-        ("load", "eval-step-5"),
-        ("unload", "eval-step-5"),
-        ("load", "eval-step-20"),
-        ("unload", "eval-step-20"),
-    ]
+    assert calls == [(op, f"eval-step-{s}") for s in (5, 15, 20) for op in ("load", "unload")]
     out = capsys.readouterr().out
     assert "eval step 5 (v5) | " in out and "pass@1 0.250" in out and "step 10 skipped" in out
     # Resumed: the steps already evaluated are not evaluated again.
     again = Evaluator(cfg, run_dir, url, {})
     again.start()
     again.finish({"step": 20, "policy_version": 20})
-    assert again.running is None and len(read_rows(run_dir)) == 4
+    assert again.running is None and len(read_rows(run_dir)) == 5
 
 
 @pytest.mark.parametrize("mode", ["crash", "hang"])

@@ -272,14 +272,16 @@ def evaluate_now(ev: Evaluation) -> dict[str, Any]:
 
 class Evaluator:
     """The run's evaluation schedule, driven by the supervisor's poll: the base model at the start, every
-    eval.every_steps steps as the trainer's metrics rows arrive, and the final policy at the end. One evaluation at
-    a time; one that comes due while another runs is skipped and counted. Steps already in eval.jsonl (a resumed
-    run) are not evaluated again."""
+    eval.every_steps steps as the trainer's metrics rows arrive, and the final policy at the end. One evaluation
+    runs at a time and one waits: a step that comes due while another waits replaces it, and the replaced one is
+    recorded as skipped. Steps with an `ok` row in eval.jsonl are not evaluated again (a resumed run re-reads its
+    rows from the start, so it evaluates what an interruption left out, newest first)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, gateway_url: str, auth: dict[str, str]):
         self.cfg, self.run_dir, self.gateway_url, self.auth = cfg, run_dir, gateway_url, auth
         self.done_steps = {r["step"] for r in read_rows(run_dir) if r.get("status") == "ok"}
         self.running: Evaluation | None = None
+        self.waiting: Target | None = None
 
     def start(self) -> None:
         if self.cfg.eval.on and self.cfg.eval.at_start and 0 not in self.done_steps:
@@ -291,42 +293,48 @@ class Evaluator:
             return
         if step % self.cfg.eval.every_steps or step in self.done_steps or step >= self.cfg.rollout.num_steps:
             return  # the last step is the end's evaluation (finish)
-        if self.running is not None:
-            why = f"the evaluation of {self.running.target.label} was still running"
-            target = step_target(step, version, self.run_dir)
-            row = eval_row(target, self.cfg.rollout.env, 0.0, {}, [], why)
-            append_row(self.run_dir, {**row, "status": "skipped"})
-            print(f"eval: step {step} skipped: {why}", flush=True)
+        target = step_target(step, version, self.run_dir)
+        if self.running is None:
+            self._begin(target)
             return
-        self._begin(step_target(step, version, self.run_dir))
+        if self.waiting is not None:
+            self._skip(self.waiting, f"step {step} came due while it waited for {self.running.target.label}")
+        self.waiting = target
 
     def poll(self) -> None:
         if self.running is not None and self.running.done():
-            self._record(self.running, self.running.result())
+            self._record(self.running.result())
+        if self.running is None and self.waiting is not None:
+            target, self.waiting = self.waiting, None
+            self._begin(target)
 
     def finish(self, last: dict[str, Any] | None) -> None:
-        """After the last step: wait for a running evaluation, then evaluate the final policy (blocking)."""
+        """After the last step: finish what runs and waits, then evaluate the final policy (blocking)."""
         if not self.cfg.eval.on:
             return
-        self._wait()
+        while self.running is not None:
+            self.poll()
+            time.sleep(0.2)
         if self.cfg.eval.at_end and last is not None and last.get("step") not in self.done_steps:
             print(f"eval: evaluating the final policy (step {last['step']})", flush=True)
             self._begin(step_target(int(last["step"]), int(last["policy_version"]), self.run_dir))
-            self._wait()
+            assert self.running is not None
+            self._record(evaluate_now(self.running))
 
     def stop(self) -> None:
         if self.running is not None:
             self.running.stop()
             self.running = None
 
-    def _wait(self) -> None:
-        if self.running is not None:
-            self._record(self.running, evaluate_now(self.running))
-
     def _begin(self, target: Target) -> None:
         self.running = Evaluation(self.cfg, self.gateway_url, self.run_dir / EVAL_DIR, target, self.auth)
 
-    def _record(self, ev: Evaluation, row: dict[str, Any]) -> None:
+    def _skip(self, target: Target, why: str) -> None:
+        row = eval_row(target, self.cfg.rollout.env, 0.0, {}, [], why)
+        append_row(self.run_dir, {**row, "status": "skipped"})
+        print(f"eval: {target.label} skipped: {why}", flush=True)
+
+    def _record(self, row: dict[str, Any]) -> None:
         self.running = None
         append_row(self.run_dir, row)
         if row["status"] == "ok":

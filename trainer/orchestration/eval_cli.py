@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from trainer.orchestration.evaluation import BASE, Evaluation, Target, evaluate_now
-from trainer.training.checkpoints import VERSION_DIR, write_atomic
+from trainer.orchestration.preflight import check_model
+from trainer.training.checkpoints import VERSION_DIR, adapter_dir, write_atomic
 from trainer.training.config import ConfigError, RunConfig, load_config
 
 SHOWN = ("eval/pass@1", "eval/reward/mean", "eval/items")
+NOT_COMPARED = ("eval/items", "eval/samples_per_item", "eval/failed_items")  # counts, not scores
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -65,7 +67,7 @@ def targets_of(args: argparse.Namespace, run_dir: Path | None) -> list[Target]:
             if newest is None:
                 raise ConfigError(f"{run_dir}/adapters holds no vN folder: nothing was published in that run")
             versions = [newest]
-        adapters += [(run_dir / "adapters" / f"v{v}", v) for v in versions]
+        adapters += [(adapter_dir(run_dir, v), v) for v in versions]
     elif args.version:
         raise ConfigError("--version N needs a run folder: python -m trainer eval RUN_DIR --version N")
     adapters += [(Path(a).resolve(), None) for a in args.adapter]
@@ -92,8 +94,6 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, Path | None, Path | No
     cfg = load_config(RunConfig, config, args.overrides)
     if cfg.launch.backend != "local":
         raise ConfigError("python -m trainer eval samples through a local gateway: set launch.backend=local")
-    from trainer.orchestration.preflight import check_model
-
     cfg.model.path = check_model(cfg.model.path)
     return cfg, run_dir, Path(config)
 
@@ -145,7 +145,7 @@ def differences(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             out[str(r["target"])] = {
                 k: r[k] - first[k]
                 for k in r
-                if k.startswith("eval/") and k != "eval/items" and isinstance(first.get(k), int | float)
+                if k.startswith("eval/") and k not in NOT_COMPARED and isinstance(first.get(k), int | float)
             }
     return out
 

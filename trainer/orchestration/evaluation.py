@@ -24,7 +24,7 @@ import httpx
 
 from trainer.orchestration.commands import ROOT, flag, resolve_env_module
 from trainer.orchestration.processes import Component, stop_all
-from trainer.training.checkpoints import write_atomic
+from trainer.training.checkpoints import adapter_dir, write_atomic
 from trainer.training.config import RunConfig
 
 EVAL_FILE = "eval.jsonl"
@@ -46,14 +46,16 @@ class Target:
     def label(self) -> str:
         if self.adapter is None:
             return BASE
-        return f"step {self.step}" if self.step is not None else str(self.adapter)
+        if self.step is not None:
+            return f"step {self.step}"
+        return f"v{self.version}" if self.version is not None else str(self.adapter)
 
 
 def step_target(step: int, version: int, run_dir: Path) -> Target:
     """The policy a run trained up to `step`: the base model before any step, else the adapter it published."""
     if version <= 0 or step <= 0:
         return Target(BASE, None, step, version)
-    return Target(f"eval-step-{step}", run_dir / "adapters" / f"v{version}", step, version)
+    return Target(f"eval-step-{step}", adapter_dir(run_dir, version), step, version)
 
 
 def eval_command(cfg: RunConfig, model_path: str, gateway_url: str, target: str, out_dir: Path) -> list[str]:

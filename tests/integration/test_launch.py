@@ -139,16 +139,12 @@ def assert_evaluated(run_dir: Path, page: str) -> None:
     assert ok[30]["eval/pass@1"] >= 0.8 and ok[30]["policy_version"] == final_version, evals
     assert {5, 10, 15, 20, 25} & set(ok), evals  # the periodic ones (one may be skipped while another ran)
     assert "| held-out eval | step 0: " in page and (run_dir / "report" / "eval.png").stat().st_size > 5000
+    # The base model against the final adapter on the toy task and on the conformance environment file, whose own
+    # evaluate() reports through wandb_log, its eval_metrics buffer and evaluate_log (tests/envs/eval_reporter.py).
+    reporter = ROOT / "tests" / "envs" / "eval_reporter.py"
+    argv = ["-m", "trainer", "eval", str(run_dir), "--env", "toy", "--env", str(reporter)]
     proc = subprocess.run(
-        [
-            str(Path(sys.executable)),
-            "-m",
-            "trainer",
-            "eval",
-            str(run_dir),
-            "--out",
-            str(run_dir / "cmp.json"),
-        ],
+        [sys.executable, *argv, "--out", str(run_dir / "cmp.json")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -156,11 +152,15 @@ def assert_evaluated(run_dir: Path, page: str) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((run_dir / "cmp.json").read_text())
-    base, final = result["rows"]
-    assert base["target"] == "base" and final["policy_version"] == final_version
-    gain = result["differences"][final["target"]]["eval/pass@1"]
+    base, final, base_file, final_file = result["rows"]
+    assert base["target"] == "base" and final["policy_version"] == final_version and final["env"] == "toy"
+    gain = result["differences"]["toy"][final["target"]]["eval/pass@1"]
     assert gain == final["eval/pass@1"] - base["eval/pass@1"] and gain >= 0.5, result
-    assert "eval/pass@1" not in proc.stdout and "pass@1" in proc.stdout and "vs base: pass@1 +" in proc.stdout
+    assert "vs base: pass@1 +" in proc.stdout
+    for row in (base_file, final_file):  # what the unmodified file reported, by each of its three ways
+        assert row["env"] == "eval_reporter" and row["status"] == "ok", row
+        assert 0 <= row["eval/conformance/accuracy"] <= 1 and row["eval/conformance/items"] > 0, row
+        assert "reported/conformance/accuracy" in row and "reported/conformance/buffered_accuracy" in row, row
 
 
 def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path):

@@ -28,6 +28,8 @@ if mode == "hang":
 if mode == "crash":
     print("ValueError: the scorer broke", flush=True)
     sys.exit(3)
+if mode == "silent":
+    sys.exit(0)
 step = int(target.rsplit("-", 1)[1]) if target.startswith("eval-step-") else 0
 metrics = {"pass@1": step / 20, "reward/mean": step / 40, "items": 8}
 (out / "metrics.json").write_text(json.dumps({"results": {"all": metrics}}))
@@ -229,9 +231,8 @@ def test_the_eval_command_compares_base_and_the_newest_adapter_on_a_running_gate
     assert calls == [("load", "cmp-0"), ("unload", "cmp-0")]
     printed = capsys.readouterr().out
     assert "target  pass@1  reward/mean  items  seconds  status" in printed and "v7 vs base: " in printed
-    assert result["differences"] == {
-        "v7": {"eval/pass@1": 0.0, "eval/reward/mean": 0.0}
-    }  # the fake scores by step
+    # the stand-in scores by the step in the target's name: the run's versions score as the base model
+    assert result["differences"] == {"toy": {"v7": {"eval/pass@1": 0.0, "eval/reward/mean": 0.0}}}
     # What cannot be evaluated is said before anything starts.
     assert eval_cli.main(["--version", "3", "--config", str(run_dir / "config.yaml")]) == 2
     assert eval_cli.main([str(run_dir), "--adapter", str(tmp_path)]) == 2
@@ -242,3 +243,18 @@ def test_the_eval_command_compares_base_and_the_newest_adapter_on_a_running_gate
         and "not a PEFT adapter folder" in err
         and "no config.yaml" in err
     )
+
+
+def test_an_environment_that_reports_nothing_is_said_once_and_not_evaluated_again(
+    tmp_path, monkeypatch, gateway, capsys
+):
+    url, _ = gateway
+    fake(monkeypatch, "silent")
+    run_dir = run_dir_with_adapters(tmp_path, [5, 10])
+    ev = Evaluator(make_cfg(run_dir, eval__every_steps=5, rollout__num_steps=20), run_dir, url, {})
+    ev.start()
+    settle(ev)
+    ev.on_row({"step": 5, "policy_version": 5})
+    ev.finish({"step": 20, "policy_version": 20})
+    assert [(r["step"], r["status"]) for r in read_rows(run_dir)] == [(0, "nothing")]
+    assert capsys.readouterr().out.count("reported nothing") == 1

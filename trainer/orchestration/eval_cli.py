@@ -5,6 +5,7 @@ another on one gateway, and print how each differs from the first.
     python -m trainer eval RUN_DIR --version 10 --version 30 # adapters/v10 and v30 of the run (add --base for it)
     python -m trainer eval --config configs/toy.yaml --base --adapter path/to/peft_folder [key=value ...]
     python -m trainer eval RUN_DIR --gateway http://127.0.0.1:PORT   # use a running gateway (same base model)
+    python -m trainer eval RUN_DIR --env gsm8k --env path/to/env.py   # other environments' eval sets
 
 The environment and the eval settings (eval.k, eval.temperature, eval.max_items, eval.max_new_tokens) come from the
 run's config.yaml or --config, with dotted overrides (`eval.k=4 eval.temperature=1.0`). Without --gateway, a gateway
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from trainer.orchestration.commands import resolve_env_module
 from trainer.orchestration.evaluation import BASE, Evaluation, Target, evaluate_now
 from trainer.orchestration.preflight import check_model
 from trainer.training.checkpoints import VERSION_DIR, adapter_dir, write_atomic
@@ -46,6 +48,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--adapter", action="append", default=[], help="a PEFT adapter folder (repeatable)")
     p.add_argument("--base", action="store_true", help="evaluate the base model too (first)")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        help="evaluate on this environment (a built-in name or an env file; repeatable) instead of the config's",
+    )
     p.add_argument("--gateway", help="URL of a running gateway serving the same base model")
     p.add_argument("--out", help="JSON file to write (default: <folder>/eval-<time>.json)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides (eval.k=4 ...)")
@@ -124,7 +132,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             str(r["target"]),
             *("-" if r.get(k) is None else f"{r[k]:.3f}" for k in keys),
             f"{r['seconds']:.1f}",
-            r["status"] if r["status"] == "ok" else f"failed: {r['reason']}",
+            r["status"] if r["status"] == "ok" else f"{r['status']}: {r['reason']}",
         ]
         for r in rows
     ]
@@ -134,8 +142,26 @@ def table(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def env_configs(cfg: RunConfig, envs: list[str]) -> list[RunConfig]:
+    """The config once per environment asked for; another environment than the config's gets no env_args (they
+    are its flags)."""
+    if not envs:
+        return [cfg]
+    out = []
+    for env in envs:
+        resolve_env_module(
+            env
+        )  # an unknown name or a missing file is a ConfigError now, not in a process later
+        one = cfg.model_copy(deep=True)
+        if env != cfg.rollout.env:
+            one.rollout.env, one.rollout.env_args = env, {}
+        out.append(one)
+    return out
+
+
 def differences(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Each later target's metrics minus the first target's (the base model when it was evaluated)."""
+    """Each later target's metrics minus the first target's (the base model when it was evaluated), on one
+    environment."""
     if len(rows) < 2 or rows[0]["status"] != "ok":
         return {}
     first = rows[0]
@@ -155,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, run_dir, config = resolve(args)
         targets = targets_of(args, run_dir)
+        per_env = env_configs(cfg, args.env)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -162,20 +189,25 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     folder = (run_dir or Path("runs").resolve()) / "eval" / f"compare-{stamp}"
     folder.mkdir(parents=True, exist_ok=True)
-    rows = []
+    by_env: dict[str, list[dict[str, Any]]] = {}
     try:
         with gateway(args, cfg, config, folder / "logs") as (url, auth):
-            for target in targets:
-                print(f"evaluating {target.label} on {Path(cfg.rollout.env).stem}", flush=True)
-                rows.append(evaluate_now(Evaluation(cfg, url, folder, target, auth)))
+            for one in per_env:
+                env = Path(one.rollout.env).stem
+                for target in targets:
+                    print(f"evaluating {target.label} on {env}", flush=True)
+                    ev = Evaluation(one, url, folder / env, target, auth)
+                    by_env.setdefault(env, []).append(evaluate_now(ev))
     except (RuntimeError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    diffs = differences(rows)
-    print(table(rows))
-    for label, delta in diffs.items():
-        shown = ", ".join(f"{k.removeprefix('eval/')} {v:+.3f}" for k, v in delta.items())
-        print(f"{label} vs {rows[0]['target']}: {shown}")
+    rows = [r for env_rows in by_env.values() for r in env_rows]
+    diffs = {env: differences(env_rows) for env, env_rows in by_env.items()}
+    for env, env_rows in by_env.items():
+        print(f"\n{env}:\n{table(env_rows)}")
+        for label, delta in diffs[env].items():
+            shown = ", ".join(f"{k.removeprefix('eval/')} {v:+.3f}" for k, v in delta.items())
+            print(f"{label} vs {env_rows[0]['target']}: {shown}")
     out = Path(args.out) if args.out else folder.with_suffix(".json")
     command = "python -m trainer eval " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])

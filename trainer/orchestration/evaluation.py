@@ -30,6 +30,7 @@ from trainer.training.config import RunConfig
 EVAL_FILE = "eval.jsonl"
 EVAL_DIR = "eval"  # RUN_DIR/eval/<target>/: each evaluation's process log and what it wrote
 BASE = "base"  # the gateway's name for the base model under /eval/
+NOTHING = "nothing"  # the status of an evaluation whose environment reported nothing: it has no eval set
 LOAD_TIMEOUT_S = 300.0  # an adapter load into vLLM (seconds on a GPU; a restarting vLLM takes longer)
 
 
@@ -231,14 +232,15 @@ class Evaluation:
         """The row, once done(); unloads the adapter."""
         self._unload()
         metrics, reported = read_outputs(self.out_dir)
-        failed = self.failed
-        if failed is None and not metrics and not reported:
-            failed = (
-                f"the environment reported nothing (no evaluate_log or wandb_log call); read {self.proc.log}"
-            )
-        return eval_row(
-            self.target, self.cfg.rollout.env, time.monotonic() - self.started, metrics, reported, failed
+        row = eval_row(
+            self.target, self.cfg.rollout.env, time.monotonic() - self.started, metrics, reported, self.failed
         )
+        if self.failed is None and not metrics and not reported:
+            # An environment whose evaluate() does nothing (many upstream files: `pass`) has no eval set here.
+            row.update(
+                status=NOTHING, reason="its evaluate() reported nothing (no evaluate_log or wandb_log call)"
+            )
+        return row
 
 
 def last_error(comp: Component) -> str:
@@ -284,14 +286,15 @@ class Evaluator:
         self.done_steps = {r["step"] for r in read_rows(run_dir) if r.get("status") == "ok"}
         self.running: Evaluation | None = None
         self.waiting: Target | None = None
+        self.off = not cfg.eval.on
 
     def start(self) -> None:
-        if self.cfg.eval.on and self.cfg.eval.at_start and 0 not in self.done_steps:
+        if not self.off and self.cfg.eval.at_start and 0 not in self.done_steps:
             self._begin(step_target(0, 0, self.run_dir))
 
     def on_row(self, row: dict[str, Any]) -> None:
         step, version = row.get("step"), row.get("policy_version")
-        if not self.cfg.eval.on or not isinstance(step, int) or not isinstance(version, int):
+        if self.off or not isinstance(step, int) or not isinstance(version, int):
             return
         if step % self.cfg.eval.every_steps or step in self.done_steps or step >= self.cfg.rollout.num_steps:
             return  # the last step is the end's evaluation (finish)
@@ -317,7 +320,9 @@ class Evaluator:
         while self.running is not None:
             self.poll()
             time.sleep(0.2)
-        if self.cfg.eval.at_end and last is not None and last.get("step") not in self.done_steps:
+        if self.off or not self.cfg.eval.at_end:
+            return
+        if last is not None and last.get("step") not in self.done_steps:
             print(f"eval: evaluating the final policy (step {last['step']})", flush=True)
             self._begin(step_target(int(last["step"]), int(last["policy_version"]), self.run_dir))
             assert self.running is not None
@@ -341,4 +346,13 @@ class Evaluator:
         append_row(self.run_dir, row)
         if row["status"] == "ok":
             self.done_steps.add(row["step"])
+        if row["status"] == NOTHING:
+            self.off = True  # said once, not at every step
+            self.waiting = None
+            print(
+                f"eval: {row['env']}'s evaluate() reported nothing (no evaluate_log or wandb_log call): it has no "
+                "eval set here; no more evaluations in this run",
+                flush=True,
+            )
+            return
         print(line(row), flush=True)

@@ -32,6 +32,7 @@ from trainer.training.checkpoints import VERSION_DIR, adapter_dir, write_atomic
 from trainer.training.config import ConfigError, RunConfig, load_config
 
 SHOWN = ("eval/pass@1", "eval/reward/mean", "eval/items")
+MAX_COLUMNS = 6
 NOT_COMPARED = ("eval/items", "eval/samples_per_item", "eval/failed_items")  # counts, not scores
 
 
@@ -124,13 +125,24 @@ def gateway(
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """The standard columns when the environment reports them (pass@k, reward, items), else up to MAX_COLUMNS of
+    what it reported."""
     keys = [k for k in SHOWN if any(k in r for r in rows)]
     keys += sorted({k for r in rows for k in r if k.startswith("eval/pass@") and k not in keys})
+    if not keys:
+        reported = {k for r in rows for k in r if k.startswith("eval/") and k not in NOT_COMPARED}
+        keys = sorted(reported)[:MAX_COLUMNS]
     head = ["target", *(k.removeprefix("eval/") for k in keys), "seconds", "status"]
+
+    def shown(key: str, value: Any) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.0f}" if key.endswith("items") else f"{value:.3f}"
+
     body = [
         [
             str(r["target"]),
-            *("-" if r.get(k) is None else f"{r[k]:.3f}" for k in keys),
+            *(shown(k, r.get(k)) for k in keys),
             f"{r['seconds']:.1f}",
             r["status"] if r["status"] == "ok" else f"{r['status']}: {r['reason']}",
         ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -43,6 +44,8 @@ from trainer.training.losses import (
 )
 
 ADAPTER_FILE = "adapter_model.safetensors"
+STUDENT, TEACHER = "default", "teacher"  # PEFT adapter names: the one trained, and a distillation teacher
+log = logging.getLogger("trainer.backend")
 
 
 def resolve_device(cfg: RunConfig, dev_dir: Path = Path("/dev")) -> torch.device:
@@ -341,6 +344,55 @@ class LocalBackend:
             "optim/skipped_nonfinite": float(skipped),
             "time/optim_s": time.perf_counter() - started,
         }
+
+    # --- distillation ---------------------------------------------------------------------------------------
+
+    def load_teacher(self, adapter_path: str) -> None:
+        """A teacher for on-policy distillation: a PEFT adapter on this model's base, loaded beside the trained
+        adapter (only the base's memory is shared; the teacher's own LoRA weights are frozen)."""
+        from peft import PeftConfig
+
+        found = PeftConfig.from_pretrained(adapter_path)
+        base = resolve_model_path(self.cfg.model.path)
+        if found.base_model_name_or_path and Path(found.base_model_name_or_path).name != Path(base).name:
+            log.warning(
+                "teacher adapter %s names base model %s, the trainer's is %s: scored on the trainer's",
+                adapter_path,
+                found.base_model_name_or_path,
+                base,
+            )
+        self.model.load_adapter(adapter_path, adapter_name=TEACHER, is_trainable=False)
+        self.model.set_adapter(STUDENT)  # loading must leave the trained adapter active and trainable
+        if [id(p) for p in self.model.parameters() if p.requires_grad] != [id(p) for p in self.params]:
+            raise RuntimeError("loading the teacher adapter changed which parameters train")
+
+    @torch.no_grad()
+    def teacher_logprobs(self, examples: Sequence[TrainingExample]) -> list[list[float]]:
+        """The teacher's log p(target_t | prefix) of every trained token of `examples` (0.0 elsewhere), by a forward
+        of the base with the teacher adapter active, in the trainer's micro-batches; raw logits (temperature 1)."""
+        out: list[list[float]] = [[] for _ in examples]
+        plans = plan_micro_batches([len(e) for e in examples], self.cfg.trainer.micro_batch_tokens)
+        self.model.eval()
+        self.model.set_adapter(TEACHER)
+        try:
+            for plan in plans:
+                batch = {
+                    k: v.to(self.device) for k, v in examples_to_tensors([examples[i] for i in plan]).items()
+                }
+                lp_BT = TokenLogprobs(self.model, self.cfg.trainer.logprob_chunk_tokens)(
+                    batch["input_ids_BT"],
+                    batch["attention_mask_BT"],
+                    batch["target_ids_BT"],
+                    batch["mask_BT"],
+                    None,
+                ).cpu()
+                for row, i in enumerate(plan):
+                    out[i] = lp_BT[row, : len(examples[i])].tolist()
+        finally:
+            self.model.set_adapter(
+                STUDENT
+            )  # PEFT makes the active adapter trainable again, the teacher frozen
+        return out
 
     # --- publish verification -------------------------------------------------------------------------------
 

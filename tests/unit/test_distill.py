@@ -1,0 +1,137 @@
+"""On-policy distillation: the advantages (trainer/training/distill.py) and the teacher's logprobs of the student's
+tokens, scored by a teacher adapter loaded beside the trained one in the local backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from tests.helpers import FIXTURE, lora_state, make_cfg
+from trainer.backends.local import LocalBackend, resolve_model_path
+from trainer.training.batch import IntakeOptions, TrainingExample, convert_batch
+from trainer.training.distill import distill_examples
+from trainer.training.losses import LossParams
+from trainer.training.schedule import adam_params
+
+
+@pytest.fixture(scope="module")
+def examples() -> list[TrainingExample]:
+    groups = json.loads(FIXTURE.read_text())["batch"]
+    return convert_batch(groups, IntakeOptions(vocab_size=2048, max_seq_len=64)).examples
+
+
+def example(mask: list[float], sampler: list[float], adv: list[float]) -> TrainingExample:
+    n = len(mask)
+    return TrainingExample(list(range(n)), list(range(1, n + 1)), mask, sampler, adv)
+
+
+def test_advantages_are_the_teacher_student_gap_plus_the_weighted_reward():
+    ex = example([0.0, 1.0, 1.0, 1.0], [0.0, -1.0, -2.0, math.nan], [0.0, 0.5, 0.5, 0.5])
+    (out,), metrics = distill_examples([ex], [[0.0, -0.5, -3.0, -1.0]], kl_coef=2.0, reward_coef=0.1)
+    assert out.advantages == pytest.approx([0.0, 2.0 * 0.5 + 0.05, 2.0 * -1.0 + 0.05, 0.05])
+    assert metrics["distill/teacher_kl"] == pytest.approx(((-1.0 + 0.5) + (-2.0 + 3.0)) / 2)
+    assert metrics["distill/tokens_scored"] == 2 and metrics["distill/tokens_without_sampler_logprobs"] == 1
+    assert ex.advantages == [0.0, 0.5, 0.5, 0.5]  # the input is left as it was
+    with pytest.raises(ValueError, match="teacher row of 2 logprobs for a sequence of 4 targets"):
+        distill_examples([ex], [[0.0, 0.0]], 1.0, 0.0)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory, tiny_model_path):
+    """A teacher adapter of another rank and other target modules than the student's, with random weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    torch.manual_seed(7)
+    model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    out = tmp_path_factory.mktemp("teacher")
+    model.save_pretrained(out)
+    return out
+
+
+def reference_logprobs(teacher_dir, examples) -> list[list[float]]:
+    """The teacher by itself: PEFT's own loading of the adapter on a fresh base, one sequence at a time, float64."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"), dtype=torch.float64)
+    model = PeftModel.from_pretrained(base, str(teacher_dir)).eval()
+    rows = []
+    with torch.no_grad():
+        for ex in examples:
+            logits = model(input_ids=torch.tensor([ex.input_ids])).logits[0]
+            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ex.target_ids)[:, None])[:, 0]
+            rows.append([float(v) if m else 0.0 for v, m in zip(lp, ex.loss_mask, strict=True)])
+    return rows
+
+
+def test_teacher_logprobs_match_the_teacher_alone_and_leave_the_student_as_it_trains(
+    tmp_path, examples, teacher_dir
+):
+    backend = LocalBackend(make_cfg(tmp_path))
+    student_before = lora_state(backend)
+    backend.load_teacher(str(teacher_dir))
+    got = backend.teacher_logprobs(examples)
+    want = reference_logprobs(teacher_dir, examples)
+    worst = max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
+    assert worst < 1e-4, f"max |teacher in the trainer - teacher alone| = {worst}"
+    # The student is untouched by the teacher: same trained weights, and a fresh adapter still gives the sampler's
+    # (base model's) logprobs.
+    assert all(torch.equal(student_before[k], v) for k, v in lora_state(backend).items())
+    result = backend.forward_backward(examples, LossParams("importance_sampling"))
+    assert result.metrics["importance/logprob_diff_mean"] < 1e-5
+    teacher_before = {n: p.detach().clone() for n, p in backend.model.named_parameters() if ".teacher." in n}
+    assert teacher_before and not any(
+        p.requires_grad for n, p in backend.model.named_parameters() if ".teacher." in n
+    )
+    # A distillation step moves the student only, and the teacher scores the same afterwards.
+    distilled, metrics = distill_examples(examples, got, kl_coef=1.0, reward_coef=0.0)
+    assert metrics["distill/teacher_kl"] > 0
+    backend.train_step(distilled, LossParams("importance_sampling"), "sum", adam_params(1e-2))
+    moved = lora_state(backend)
+    assert any(not torch.equal(student_before[k], moved[k]) for k in student_before)
+    assert all(
+        torch.equal(p, teacher_before[n]) for n, p in backend.model.named_parameters() if n in teacher_before
+    )
+    again = backend.teacher_logprobs(examples)
+    assert max(abs(a - b) for g, w in zip(again, got, strict=True) for a, b in zip(g, w, strict=True)) < 1e-6
+
+
+def test_distillation_steps_bring_the_student_to_the_teacher_on_its_tokens(tmp_path, examples, teacher_dir):
+    """Distillation steps on fixed sequences (their sampler logprobs updated to the student's after each step, as a
+    fresh on-policy sample would carry) close the gap between the student's and the teacher's logprob of each
+    token."""
+    examples = examples[:4]
+    backend = LocalBackend(make_cfg(tmp_path))
+    backend.load_teacher(str(teacher_dir))
+    teacher = backend.teacher_logprobs(examples)
+
+    def gap(rows: list[list[float]]) -> float:
+        pairs = [
+            (a, b)
+            for ex, r, t in zip(examples, rows, teacher, strict=True)
+            for a, b, m in zip(r, t, ex.loss_mask, strict=True)
+            if m
+        ]
+        return sum(abs(a - b) for a, b in pairs) / len(pairs)
+
+    current, gaps = examples, [gap([ex.sampler_logprobs for ex in examples])]
+    for _ in range(5):
+        distilled, _ = distill_examples(current, teacher, kl_coef=1.0, reward_coef=0.0)
+        backend.train_step(distilled, LossParams("importance_sampling"), "sum", adam_params(3e-3))
+        now = backend.forward_backward(examples, LossParams("importance_sampling")).trainer_logprobs
+        backend.model.zero_grad(set_to_none=True)
+        current = [dataclasses.replace(ex, sampler_logprobs=lp) for ex, lp in zip(examples, now, strict=True)]
+        gaps.append(gap(now))
+    assert gaps[-1] < 0.5 * gaps[0], gaps

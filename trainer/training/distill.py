@@ -1,0 +1,54 @@
+"""On-policy distillation's per-token advantages: the student samples, a teacher scores each sampled token, and the
+importance-sampling loss follows
+
+    advantage_t = kl_coef * (log p_teacher(x_t) - log p_student(x_t)) + reward_coef * (the environment's advantage)
+
+where log p_student is the sampler's logprob of the token (the policy that sampled it: on-policy). The first term's
+expectation under the student is minus the reverse KL(student || teacher) per token, so minimising the loss moves
+the student towards the teacher on its own samples. Pure: no model, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from trainer.training.batch import TrainingExample
+
+
+def distill_examples(
+    examples: Sequence[TrainingExample],
+    teacher_logprobs: Sequence[Sequence[float]],
+    kl_coef: float,
+    reward_coef: float,
+) -> tuple[list[TrainingExample], dict[str, float]]:
+    """The examples with distillation advantages, and `distill/*` metrics: `teacher_kl` (mean over trained tokens of
+    log p_student - log p_teacher, a sample estimate of the per-token reverse KL), `tokens_scored`, and
+    `tokens_without_sampler_logprobs` (a group sent without them keeps only its reward term)."""
+    if len(teacher_logprobs) != len(examples):
+        raise ValueError(f"{len(teacher_logprobs)} teacher rows for {len(examples)} examples")
+    out, kl_sum, scored, missing = [], 0.0, 0, 0
+    for ex, teacher in zip(examples, teacher_logprobs, strict=True):
+        if len(teacher) != len(ex.target_ids):
+            raise ValueError(
+                f"teacher row of {len(teacher)} logprobs for a sequence of {len(ex.target_ids)} targets"
+            )
+        advantages = []
+        for m, adv, student, t in zip(ex.loss_mask, ex.advantages, ex.sampler_logprobs, teacher, strict=True):
+            if not m:
+                advantages.append(0.0)
+                continue
+            if not math.isfinite(student) or not math.isfinite(t):
+                missing += 1
+                advantages.append(reward_coef * adv)
+                continue
+            scored += 1
+            kl_sum += student - t
+            advantages.append(kl_coef * (t - student) + reward_coef * adv)
+        out.append(replace(ex, advantages=advantages))
+    return out, {
+        "distill/teacher_kl": kl_sum / scored if scored else math.nan,
+        "distill/tokens_scored": float(scored),
+        "distill/tokens_without_sampler_logprobs": float(missing),
+    }

@@ -31,6 +31,8 @@ ABOVE_TRAINING = {"trainer.backends", "trainer.orchestration", "trainer.service"
 ORCHESTRATION_MODULES = {
     "__init__",
     "commands",  # the command lines of each process
+    "dashboard_launch",  # launch.dashboard: the live dashboard beside a run
+    "run_api",  # a mixed run's run-api: atroposlib's app plus /envs and re-registration
     "evaluation",  # the evaluate processes of a run, on its schedule
     "eval_cli",  # python -m trainer eval: a gateway and evaluate processes for saved adapters
     "gateway_process",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import subprocess
 import sys
@@ -20,29 +21,38 @@ from typing import Any
 
 from trainer.orchestration.processes import Component
 from trainer.orchestration.slurm import Placement, srun_prefix
-from trainer.training.config import ConfigError, RunConfig
+from trainer.training.config import ConfigError, EnvSpec, RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 RUN_API_APP = (
     "atroposlib.api:app"  # what atroposlib's run-api serves; started through uvicorn to pass a socket
 )
+# A mixed run's run-api: atroposlib's app with the two routes mixing needs (trainer.orchestration.run_api).
+MIXED_RUN_API_APP = "trainer.orchestration.run_api:app"
 
 
-def resolve_env_module(env: str) -> list[str]:
+def resolve_env_module(env: str, where: str = "rollout.env") -> list[str]:
     """`python -m environments.<name>` for a built-in name; any Atropos env file runs unmodified through
     environments.upstream (declared flags only, the gateway as its one server, transformers-4 chat ids)."""
     if env.endswith(".py"):
         path = Path(env)
         if not path.is_file():
-            raise ConfigError(f"rollout.env={env!r}: no such environment file")
+            raise ConfigError(f"{where}={env!r}: no such environment file")
         return [PY, "-m", "environments.upstream", str(path.resolve())]
     if not (ROOT / "environments" / f"{env}.py").is_file():
         names = sorted(p.stem for p in (ROOT / "environments").glob("*.py") if not p.stem.startswith("_"))
         raise ConfigError(
-            f"unknown environment {env!r}: built-in ones are {names}, or pass a path to an env file"
+            f"{where}: unknown environment {env!r}: built-in ones are {names}, or pass a path to an env file"
         )
     return [PY, "-m", f"environments.{env}"]
+
+
+def env_where(cfg: RunConfig, spec: EnvSpec) -> str:
+    """The config key that names this environment, for error messages."""
+    if not cfg.rollout.envs:
+        return "rollout.env"
+    return f"rollout.envs.{[s.name for s in cfg.rollout.env_specs()].index(spec.name)}.env"
 
 
 def flag(key: str, value: Any) -> str:
@@ -50,25 +60,30 @@ def flag(key: str, value: Any) -> str:
     return f"--{key}={json.dumps(value) if isinstance(value, list | dict) else value}"
 
 
-def env_args_flags(cfg: RunConfig) -> list[str]:
-    return [flag(f"env.{k}", v) for k, v in cfg.rollout.env_args.items()]
+def env_args_flags(spec: EnvSpec) -> list[str]:
+    return [flag(f"env.{k}", v) for k, v in spec.env_args.items()]
 
 
-def env_command(cfg: RunConfig, model_path: str, worker: int) -> list[str]:
+def env_command(cfg: RunConfig, model_path: str, worker: int, spec: EnvSpec | None = None) -> list[str]:
+    """One environment process (`spec`: one of cfg.rollout.env_specs(); None = the first, rollout.env alone)."""
     r = cfg.rollout
-    # Atropos caps queued + in-flight rollouts at this many batches, which bounds their lag in versions.
-    offpolicy = r.max_batches_offpolicy or max(1, r.max_staleness)
+    spec = spec or r.env_specs()[0]
+    # Atropos caps queued + in-flight rollouts at this many batches, which bounds their lag in versions. With
+    # min_batch_allocation (a mixed run) each environment keeps one group more queued, a batch older: one version
+    # of the staleness window goes to it.
+    offpolicy = r.max_batches_offpolicy or max(1, r.max_staleness - (1 if r.envs else 0))
     flags: dict[str, Any] = {
         "env.rollout_server_url": cfg.launch.run_api_url,
-        "env.group_size": r.group_size,
+        "env.group_size": spec.group_size,
         "env.batch_size": r.batch_size,
         "env.max_batches_offpolicy": offpolicy,
         "env.total_steps": -1,  # follow run-api's num_steps (the trainer's registration)
-        "env.max_token_length": r.max_token_length,
+        "env.max_token_length": spec.max_token_length,
         "env.tokenizer_name": model_path,
         "env.use_wandb": False,
         "env.seed": r.seed + worker,
-        "env.wandb_name": f"{Path(r.env).stem}-{worker}",
+        # run-api's desired_name; the trainer reads it back (GET /envs) to name each group's environment
+        "env.wandb_name": f"{spec.name}-{worker}",
         "env.temperature": r.temperature,
         "env.max_new_tokens": r.max_new_tokens,
         "openai.base_url": f"{cfg.launch.gateway_url}/v1",
@@ -77,38 +92,64 @@ def env_command(cfg: RunConfig, model_path: str, worker: int) -> list[str]:
         "openai.tokenizer_name": model_path,
         "openai.server_type": "vllm",
     }
-    for key in r.env_args:  # rollout.env_args wins over what the launcher derives
+    if r.envs:
+        # run-api's own mixing: every batch holds at least this share of its sequences from this environment
+        # (whole groups), and the environment paces itself to keep that share queued.
+        flags["env.inference_weight"] = spec.weight
+        flags["env.min_batch_allocation"] = round(spec.share / spec.workers, 6)
+    for key in spec.env_args:  # the environment's env_args win over what the launcher derives
         flags.pop(f"env.{key}", None)
-    own = [f"--user-keys={','.join(r.env_args)}"] if r.env.endswith(".py") else []  # environments.upstream's
+    own = [f"--user-keys={','.join(spec.env_args)}"] if spec.is_file else []  # environments.upstream's
     return [
-        *resolve_env_module(r.env),
+        *resolve_env_module(spec.env, env_where(cfg, spec)),
         "serve",
         *(flag(k, v) for k, v in flags.items()),
-        *env_args_flags(cfg),
+        *env_args_flags(spec),
         *own,
     ]
 
 
-def env_preflight_command(cfg: RunConfig, model_path: str) -> list[str] | None:
+def env_preflight_command(cfg: RunConfig, model_path: str, spec: EnvSpec | None = None) -> list[str] | None:
     """The environment's own check of what it needs, run before anything starts. An env file gets
     environments.upstream's (declared flags, its setup() and prompt lengths against the run's limits); a
     built-in one its `preflight` function (e.g. gsm8k's data), or None when it has none. Read from its source, not
     imported: an environment process starts in seconds (atroposlib), which a launch should spend only when there
     is something to check."""
-    module = resolve_env_module(
-        cfg.rollout.env
-    )  # an unknown environment is a ConfigError naming the known ones
-    if cfg.rollout.env.endswith(".py"):
-        flags = [a for a in env_command(cfg, model_path, 0)[len(module) + 1 :] if not a.endswith("=None")]
+    spec = spec or cfg.rollout.env_specs()[0]
+    # an unknown environment is a ConfigError naming the known ones
+    module = resolve_env_module(spec.env, env_where(cfg, spec))
+    if spec.is_file:
+        flags = [
+            a for a in env_command(cfg, model_path, 0, spec)[len(module) + 1 :] if not a.endswith("=None")
+        ]
         limits = [f"--max-seq-len={cfg.trainer.max_seq_len}"]
         max_model_len = (cfg.inference.get("vllm") or {}).get("max_model_len")
         if max_model_len:
             limits.append(f"--max-model-len={max_model_len}")
         return [*module, "preflight", *flags, *limits]
-    source = (ROOT / "environments" / f"{cfg.rollout.env}.py").read_text()
+    source = (ROOT / "environments" / f"{spec.env}.py").read_text()
     if not any(isinstance(n, ast.FunctionDef) and n.name == "preflight" for n in ast.parse(source).body):
         return None
-    return [*module, "preflight", *env_args_flags(cfg)]
+    return [*module, "preflight", *env_args_flags(spec)]
+
+
+def env_share_lines(cfg: RunConfig) -> list[str]:
+    """For the dry run: what each environment is allotted of a batch, in sequences and groups."""
+    batch = cfg.rollout.batch_size
+    lines = []
+    for spec in cfg.rollout.env_specs():
+        seqs = math.ceil(int(batch * spec.share) / spec.group_size) * spec.group_size
+        lines.append(
+            f"environment {spec.name}: weight {spec.weight:g}, share {spec.share:.3f}: run-api fills {seqs} of "
+            f"each batch's {batch} sequences from it first ({seqs // spec.group_size} groups of {spec.group_size}), "
+            f"{spec.workers} process(es)"
+        )
+    if cfg.rollout.max_staleness < 2:
+        lines.append(
+            f"rollout.max_staleness={cfg.rollout.max_staleness}: atroposlib keeps one group per environment beyond "
+            "its share, trained a batch later; below 2 that group is dropped as stale at every step (set 2 or more)"
+        )
+    return lines
 
 
 def trainer_command(
@@ -132,11 +173,13 @@ def trainer_command(
     return argv + run
 
 
-def server_argvs(run_dir: Path, placement: Placement | None, fds: dict[str, int]) -> dict[str, list[str]]:
+def server_argvs(
+    cfg: RunConfig, run_dir: Path, placement: Placement | None, fds: dict[str, int]
+) -> dict[str, list[str]]:
     """run-api and the gateway: on an inherited socket (--fd) locally, on the job's derived ports under SLURM."""
     logs = run_dir / "logs"
     gateway = [PY, "-m", "inference", "--config", str(run_dir / "gateway.yaml"), "--log-dir", str(logs)]
-    run_api = [PY, "-m", "uvicorn", RUN_API_APP]
+    run_api = [PY, "-m", "uvicorn", MIXED_RUN_API_APP if cfg.rollout.envs else RUN_API_APP]
     if placement is None:
         return {
             "run-api": [*run_api, "--fd", str(fds.get("run-api", "<fd>"))],
@@ -169,9 +212,9 @@ def build_components(
 ) -> list[Component]:
     """The run's processes in start order. With a SLURM placement each one is an srun step on its node(s)."""
     fds = fds or {}
-    argvs = server_argvs(run_dir, placement, fds)
-    for w in range(cfg.rollout.env_workers):
-        argvs["env" if cfg.rollout.env_workers == 1 else f"env-{w}"] = env_command(cfg, model_path, w)
+    argvs = server_argvs(cfg, run_dir, placement, fds)
+    for name, spec, w in cfg.rollout.env_processes():
+        argvs[name] = env_command(cfg, model_path, w, spec)
     rendezvous = f"{placement.hosts['trainer'][0]}:{placement.ports.rendezvous}" if placement else None
     argvs["trainer"] = trainer_command(cfg, str(run_dir / "config.yaml"), rendezvous, str(job_id))
     trainer_env = trainer_allocator_env(cfg, os.environ)

@@ -1,6 +1,6 @@
 """Why is the run idle? When no training step has come for a while, the launcher prints one line naming the most
 likely cause, read from what each component reports: the gateway's request and rejection counts, run-api's
-queue, and the environments' own logs. Pure: the caller gathers the inputs."""
+queue (in a mixed run, each environment's), and the environments' own logs. Pure: the caller gathers the inputs."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class Snapshot:
     queued: int | None = None
     gate_waiting_for: int | None = None  # the version the on-policy gate holds requests for
     gate_holding: int = 0
+    envs: list[dict[str, Any]] | None = None  # a mixed run's run-api: each registration and its queue
 
     @classmethod
     def read(cls, gateway: dict[str, Any] | None, run_api: dict[str, Any] | None) -> Snapshot:
@@ -48,7 +49,25 @@ class Snapshot:
             queued=(run_api or {}).get("queue_size"),
             gate_waiting_for=gateway.get("gate_waiting_for"),
             gate_holding=gateway.get("gate_holding") or 0,
+            envs=(run_api or {}).get("envs"),
         )
+
+
+def short_envs(envs: list[dict[str, Any]], batch_size: int) -> list[str]:
+    """The connected environments of a mixed run with less than their share of a batch queued: run-api forms no
+    batch until each has it (min_batch_allocation)."""
+    out = []
+    for e in envs:
+        share = e.get("min_batch_allocation")
+        if not e.get("connected") or share is None:
+            continue
+        wanted = int(batch_size * share)
+        if e.get("queued_sequences", 0) < wanted:
+            name = str(e.get("name", "?")).rsplit("-", 1)[0]
+            out.append(
+                f"{name} ({e.get('name')}: {e.get('queued_sequences', 0)} of its {wanted} sequences queued)"
+            )
+    return out
 
 
 def log_tail(path: Path) -> str:
@@ -96,6 +115,15 @@ def explain_idle(
         return (
             head + f"the gateway rejected {rejected} of {requests} requests ({reasons}); last: "
             f"{(now.last_rejection or '?')[:300]}"
+        )
+    short = short_envs(now.envs or [], batch_size)
+    if short:
+        return (
+            head
+            + f"run-api waits for each environment's share of a batch, and {len(short)} lack theirs: "
+            + "; ".join(short)
+            + "; read their logs (logs/env-<name>.log)"
+            + (f"; {hint}" if hint else "")
         )
     if now.queued is not None and now.queued < batch_size:
         sampled = f"the gateway served {requests} requests but " if requests else ""

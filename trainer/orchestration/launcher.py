@@ -27,12 +27,18 @@ from typing import Any
 import yaml
 
 from rlcommon.hosts import LOOPBACK_HOSTS
-from trainer.orchestration.commands import PY, ROOT, build_components, env_preflight_command
+from trainer.orchestration.commands import (
+    PY,
+    ROOT,
+    build_components,
+    env_preflight_command,
+    env_share_lines,
+)
 from trainer.orchestration.processes import Component, listen, stop_all, stop_first
 from trainer.orchestration.slurm import Placement, SlurmJob, job_from_env, parse_nodelist, plan
 from trainer.orchestration.supervisor import LaunchError, Supervisor, wait_http
 from trainer.training.checkpoints import read_latest
-from trainer.training.config import ConfigError, RunConfig, load_config, sampler_dtype
+from trainer.training.config import ConfigError, EnvSpec, RunConfig, load_config, sampler_dtype
 
 ANY_HOST = frozenset({"0.0.0.0", "::"})
 RUNS = ROOT / "runs"  # a new run's folder goes here unless trainer.output_dir says where
@@ -55,11 +61,18 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
             hint = f"there is no {config.relative_to(ROOT)} for this environment; {hint}"
         raise ConfigError(f"no config {config}: {hint}")
     # --backend goes through validation with the rest (RunConfig refuses e.g. Tinker with data-parallel ranks).
-    overrides = [f"rollout.env={args.env}", *args.overrides, f"launch.backend={args.backend}"]
+    # No ENV argument: the environments the file names (rollout.env or rollout.envs).
+    named = [f"rollout.env={args.env}"] if args.env else []
+    overrides = [*named, *args.overrides, f"launch.backend={args.backend}"]
     if not any(o.startswith("trainer.output_dir=") for o in args.overrides):
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        overrides.append(f"trainer.output_dir={RUNS / f'{Path(args.env).stem}-{stamp}'}")
+        overrides.append(f"trainer.output_dir={RUNS / f'{Path(args.env or config).stem}-{stamp}'}")
     cfg = load_config(RunConfig, config, overrides)
+    if args.env and cfg.rollout.envs:
+        raise ConfigError(
+            f"{config} names its environments (rollout.envs): drop the ENV argument {args.env!r} "
+            f"(bash launch.sh --config {config})"
+        )
     run_dir = Path(cfg.trainer.output_dir).resolve()
     if (run_dir / "metrics.jsonl").exists():
         raise ConfigError(
@@ -120,33 +133,40 @@ def preflight(cfg: RunConfig) -> str:
         problems.append(str(exc))
     if tinker and not cfg.tinker.client_factory:
         problems += check_tinker()
-    env_file = cfg.rollout.env.endswith(".py")  # an env file's check needs the model's tokenizer folder
-    if not env_file:
-        problems += check_environment(cfg, found if isinstance(found, str) else wanted)
+    specs = cfg.rollout.env_specs()
+    for spec in specs:  # an env file's check needs the model's tokenizer folder: those run after the download
+        if not spec.is_file:
+            problems += check_environment(cfg, found if isinstance(found, str) else wanted, spec)
     if problems:
         raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
     assert found is not None  # find_model either answered or its problem was raised above
     model_path = found if isinstance(found, str) else download_model(found)
-    problems = check_environment(cfg, model_path) if env_file else []
+    problems = [p for spec in specs if spec.is_file for p in check_environment(cfg, model_path, spec)]
     if problems:
         raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
     return model_path
 
 
-def check_environment(cfg: RunConfig, model_path: str) -> list[str]:
-    """Run the environment's own pre-flight; its notes are printed, its problems returned."""
-    argv = env_preflight_command(cfg, model_path)
+def check_environment(cfg: RunConfig, model_path: str, spec: EnvSpec | None = None) -> list[str]:
+    """Run one environment's own pre-flight (`spec`: one of cfg.rollout.env_specs(); None = the first); its notes
+    are printed, its problems returned (in a mixed run, each named with its environment)."""
+    spec = spec or cfg.rollout.env_specs()[0]
+    who = f"{spec.name}: " if cfg.rollout.envs else ""
+    try:
+        argv = env_preflight_command(cfg, model_path, spec)
+    except ConfigError as exc:  # an unknown environment: reported beside every other problem
+        return [str(exc)]
     if argv is None:
         return []
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
     for line in proc.stdout.splitlines():
         if line.startswith("note: "):
-            print(f"environment: {line.removeprefix('note: ')}", flush=True)
+            print(f"environment: {who}{line.removeprefix('note: ')}", flush=True)
     if proc.returncode == 0:
         return []
     lines = [line for line in proc.stderr.splitlines() if line.startswith("preflight: ")]
-    return [line.removeprefix("preflight: ") for line in lines] or [
-        f"environment {cfg.rollout.env!r} failed its pre-flight (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
+    return [who + line.removeprefix("preflight: ") for line in lines] or [
+        f"environment {spec.env!r} failed its pre-flight (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
     ]
 
 
@@ -231,6 +251,8 @@ def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> int:
         print("# commands (srun steps, run concurrently with --overlap):")
     for comp in build_components(cfg, run_dir, cfg.model.path, placement, job.job_id if job else 0):
         print(f"{comp.name}: {' '.join(shlex.quote(a) for a in comp.argv)}")
+    if cfg.rollout.envs:
+        print("".join(f"# {line}\n" for line in env_share_lines(cfg)), end="")
     lines, problems = plan_memory(cfg, cfg.model.path, gateway, dry_run=True)
     print("".join(f"# {line}\n" for line in lines), end="", flush=True)
     if problems:
@@ -336,7 +358,10 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
 def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: SlurmJob | None = None) -> int:
     if cfg.eval.on and cfg.launch.backend == "tinker":
         # Evaluation samples saved adapter folders through the local gateway's vLLM, which a Tinker run has not.
-        print("launch.sh: no held-out evaluation with launch.backend=tinker; eval.every_steps set to 0", flush=True)
+        print(
+            "launch.sh: no held-out evaluation with launch.backend=tinker; eval.every_steps set to 0",
+            flush=True,
+        )
         cfg.eval.every_steps = 0
     if dry_run:
         return print_dry_run(cfg, run_dir, job)
@@ -432,11 +457,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=2e-5")
     args = p.parse_intermixed_args(argv)  # overrides may come before or after the options
     if args.env and "=" in args.env and not Path(args.env).exists():
-        # `--resume RUN_DIR key=value`: argparse hands the first override to the optional env positional.
+        # `--resume RUN_DIR key=value` (or `--config FILE key=value`): argparse hands the first override to the
+        # optional env positional.
         args.overrides.insert(0, args.env)
         args.env = None
-    if not args.env and not args.resume:
-        p.error("give an environment (e.g. toy) or --resume RUN_DIR")
+    if not args.env and not args.resume and not args.config:
+        p.error(
+            "give an environment (e.g. toy), --config FILE (its rollout.env or rollout.envs) or --resume RUN_DIR"
+        )
     return args
 
 

@@ -152,9 +152,8 @@ def plan(cfg: RunConfig, job: SlurmJob) -> Placement:
     )
     placement.hosts["run-api"] = [head]
     placement.hosts["gateway"] = [head]  # vLLM replicas are the gateway's children: same node
-    for w in range(cfg.rollout.env_workers):
-        name = "env" if cfg.rollout.env_workers == 1 else f"env-{w}"
-        placement.hosts[name] = [env_hosts[w % len(env_hosts)]]
+    for i, (name, _, _) in enumerate(cfg.rollout.env_processes()):
+        placement.hosts[name] = [env_hosts[i % len(env_hosts)]]
     placement.hosts["trainer"] = hosts[:nnodes]
     return placement
 

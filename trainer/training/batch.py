@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,8 @@ class ConvertedBatch:
     groups_zero_variance: int = 0
     sequences_truncated: int = 0
     scores: list[float] = field(default_factory=list)  # every finite score received, for reward metrics
+    group_scores: dict[int, list[float]] = field(default_factory=dict)  # the same, by group index
+    zero_variance_groups: list[int] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
         dropped_groups = sum(1 for d in self.drops if d.sequence_index is None)
@@ -108,6 +111,75 @@ class ConvertedBatch:
             "rollouts/sequences_dropped_malformed": float(len(self.drops) - dropped_groups),
             **{f"rollouts/dropped_{k}": float(v) for k, v in Counter(d.field for d in self.drops).items()},
         }
+
+
+UNNAMED_ENV = "unknown"  # groups whose run-api env_id no registered environment name maps to
+
+
+def env_name_of(group: Any, names: Mapping[int, str]) -> str:
+    env_id = group.get("env_id") if isinstance(group, dict) else None
+    return names.get(env_id, UNNAMED_ENV) if isinstance(env_id, int) else UNNAMED_ENV
+
+
+def sequences_of(group: Any) -> int:
+    tokens = group.get("tokens") if isinstance(group, dict) else None
+    return len(tokens) if isinstance(tokens, list) else 0
+
+
+def per_env_metrics(
+    taken: list[Any],
+    dropped: list[tuple[int, str]],
+    kept: list[Any],
+    converted: ConvertedBatch,
+    names: Mapping[int, str],
+    envs: list[str],
+    kept_staleness: list[list[int]] | None = None,
+) -> dict[str, float | None]:
+    """A mixed run's per-environment rows: `rollouts/<env>/sequences_received|trained|dropped_<why>`, the
+    environment's share of the trained sequences, and `reward/<env>/mean` over the scores it sent (as reward/mean).
+    `taken` is the batch as run-api handed it out, `dropped` the (index in taken, why) of the groups dropped for
+    their policy version, `kept` the rest (what `converted` came from); `names` maps run-api env ids to names, and
+    `envs` are the run's environments, each reported even when it sent nothing; `kept_staleness` (per kept group,
+    its sequences' lags in policy versions) adds `policy/<env>/staleness_mean`."""
+    counts: dict[str, Counter[str]] = {name: Counter() for name in envs}
+    scores: dict[str, list[float]] = {name: [] for name in envs}
+
+    def add(group: Any, key: str, n: int) -> None:
+        counts.setdefault(env_name_of(group, names), Counter())[key] += n
+
+    for group in taken:
+        add(group, "sequences_received", sequences_of(group))
+    for index, why in dropped:
+        add(taken[index], f"sequences_dropped_{why}", sequences_of(taken[index]))
+    for example in converted.examples:
+        add(kept[example.group_index], "sequences_trained", 1)
+    for drop in converted.drops:
+        group = kept[drop.group_index]
+        add(
+            group,
+            "sequences_dropped_malformed",
+            1 if drop.sequence_index is not None else sequences_of(group),
+        )
+    for gi in converted.zero_variance_groups:
+        add(kept[gi], "sequences_zero_variance", sequences_of(kept[gi]))
+    for gi, group_scores in converted.group_scores.items():
+        scores.setdefault(env_name_of(kept[gi], names), []).extend(group_scores)
+    lags: dict[str, list[int]] = {name: [] for name in envs}
+    for group, group_lags in zip(kept, kept_staleness or []):
+        lags.setdefault(env_name_of(group, names), []).extend(group_lags)
+    trained = len(converted.examples)
+    row: dict[str, float | None] = {}
+    for name, c in counts.items():
+        for key in ("sequences_received", "sequences_trained", "sequences_zero_variance"):
+            c.setdefault(key, 0)
+        row.update({f"rollouts/{name}/{k}": float(v) for k, v in sorted(c.items())})
+        row[f"rollouts/{name}/share_trained"] = c["sequences_trained"] / trained if trained else None
+        got = scores.get(name) or []
+        row[f"reward/{name}/mean"] = sum(got) / len(got) if got else None
+        if kept_staleness is not None:
+            lag = lags.get(name) or []
+            row[f"policy/{name}/staleness_mean"] = sum(lag) / len(lag) if lag else None
+    return row
 
 
 @dataclass(frozen=True)
@@ -231,8 +303,10 @@ def _convert_group(gi: int, g: ScoredDataGroup, opts: IntakeOptions, out: Conver
         out.drops.append(problem)
         return
     out.scores.extend(g.scores)
+    out.group_scores[gi] = list(g.scores)
     if g.advantages is None and max(g.scores) == min(g.scores):
         out.groups_zero_variance += 1
+        out.zero_variance_groups.append(gi)
         return
     seq_advantages = compute_group_advantages(g.scores, opts.normalize_std, opts.std_eps)
     for si in range(len(g.tokens)):

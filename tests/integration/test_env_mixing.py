@@ -58,7 +58,7 @@ def test_two_environments_mixed_three_to_one_train_together(tmp_path):
         "--config",
         str(mixed_config(tmp_path)),
         f"trainer.output_dir={run_dir}",
-        "eval.every_steps=0",
+        "eval.every_steps=1000",  # the base model at the start and the final policy at the end, each environment
         f"rollout.num_steps={STEPS}",
         "launch.idle_warn_s=0",
     ]
@@ -82,6 +82,13 @@ def test_two_environments_mixed_three_to_one_train_together(tmp_path):
         print(f"reward/{env}/mean: first 5 steps {first:.3f}, last 5 steps {last_mean:.3f}")
         assert last_mean > first + 0.05, (env, rewards)
     assert sum(r.get("rollouts/unknown/sequences_received", 0) for r in rows) == 0  # every group was named
+    # Held-out evaluation per environment: toy's under its own keys; residue's evaluate() reports nothing, which is
+    # said once and not tried again.
+    evals = [(e["step"], e["env"], e["status"]) for e in map(json.loads, (run_dir / "eval.jsonl").open())]
+    assert evals == [(0, "toy", "ok"), (0, "residue", "nothing"), (STEPS, "toy", "ok")], evals
+    final = json.loads((run_dir / "eval.jsonl").read_text().splitlines()[-1])
+    assert final["eval/toy/pass@1"] >= 0.8 and "eval/pass@1" not in final, final
+    assert out.count("reported nothing") == 1
     assert_nothing_left(run_dir)
 
 
@@ -129,5 +136,5 @@ def test_a_killed_environment_is_restarted_alone_and_the_mix_goes_on(tmp_path):
     later = [r for r in rows if r["unix_time"] > killed_at + 5]
     assert later and sum(r["rollouts/residue/sequences_trained"] for r in later) > 0  # the new one sends
     assert sum(r["rollouts/toy/sequences_trained"] for r in later) > 0
-    assert rows[-1]["faults/restarts_env"] == 1
+    assert rows[-1]["faults/restarts_env"] == 1 and rows[-1]["faults/restarts_env/env-residue"] == 1
     assert_nothing_left(run_dir)

@@ -60,7 +60,7 @@ def gateway():
 
 
 def fake(monkeypatch, mode: str = "ok") -> None:
-    def command(cfg, model_path, gateway_url, target, out_dir):
+    def command(cfg, spec, model_path, gateway_url, target, out_dir):
         return [sys.executable, "-c", FAKE_ENV, str(out_dir), target, mode]
 
     monkeypatch.setattr(evaluation, "eval_command", command)
@@ -110,7 +110,12 @@ def test_the_schedule_evaluates_base_every_n_steps_and_the_end_and_skips_what_co
     # Adapters are loaded for their evaluation only; the base model needs none.
     assert calls == [(op, f"eval-step-{s}") for s in (5, 15, 20) for op in ("load", "unload")]
     out = capsys.readouterr().out
-    assert "eval step 5 (v5) | " in out and "pass@1 0.250" in out and "step 10 skipped" in out
+    assert (
+        "eval step 5 (v5) | " in out
+        and "pass@1 0.250" in out
+        and "step 10 on toy skipped" in out
+        and "eval the base model | toy | pass@1 0.000" in out
+    )
     # Resumed: the steps already evaluated are not evaluated again.
     again = Evaluator(cfg, run_dir, url, {})
     again.start()
@@ -136,7 +141,7 @@ def test_a_failing_or_hanging_evaluation_is_recorded_and_the_run_goes_on(
     else:
         assert "eval.timeout_s=1" in row["reason"] and row["seconds"] < 15
     assert calls[-1] == ("unload", "eval-step-5")
-    assert 5 not in ev.done_steps  # a resumed run tries it again
+    assert (5, "toy") not in ev.done  # a resumed run tries it again
 
 
 def test_a_missing_adapter_or_a_refusing_gateway_fails_the_evaluation_not_the_run(tmp_path, monkeypatch):
@@ -160,7 +165,8 @@ def test_the_evaluate_command_targets_the_eval_routes_and_lets_env_args_win(tmp_
         eval__temperature=1.0,
         rollout__env_args={"eval_k": 2},
     )
-    argv = eval_command(cfg, "/m", "http://gw:1", "eval-step-5", tmp_path / "out")
+    (spec,) = cfg.rollout.env_specs()
+    argv = eval_command(cfg, spec, "/m", "http://gw:1", "eval-step-5", tmp_path / "out")
     assert argv[1:4] == ["-m", "environments.toy", "evaluate"]
     assert "--openai.base_url=http://gw:1/eval/eval-step-5/v1" in argv
     assert f"--env.data_dir_to_save_evals={tmp_path / 'out'}" in argv and "--env.use_wandb=False" in argv
@@ -168,7 +174,8 @@ def test_the_evaluate_command_targets_the_eval_routes_and_lets_env_args_win(tmp_
     env_file = tmp_path / "my_env.py"
     env_file.write_text("")
     cfg.rollout.env = str(env_file)
-    argv = eval_command(cfg, "/m", "http://gw:1", "base", tmp_path / "out")
+    (spec,) = cfg.rollout.env_specs()
+    argv = eval_command(cfg, spec, "/m", "http://gw:1", "base", tmp_path / "out")
     assert argv[1:5] == ["-m", "environments.upstream", str(env_file), "evaluate"]
     assert "--user-keys=eval_k" in argv
 
@@ -258,3 +265,42 @@ def test_an_environment_that_reports_nothing_is_said_once_and_not_evaluated_agai
     ev.finish({"step": 20, "policy_version": 20})
     assert [(r["step"], r["status"]) for r in read_rows(run_dir)] == [(0, "nothing")]
     assert capsys.readouterr().out.count("reported nothing") == 1
+
+
+def test_a_mixed_run_evaluates_every_environment_under_keys_of_its_own(tmp_path, monkeypatch, gateway):
+    url, calls = gateway
+    seen = []
+
+    def command(cfg, spec, model_path, gateway_url, target, out_dir):
+        seen.append((spec.name, target))
+        return [
+            sys.executable,
+            "-c",
+            FAKE_ENV,
+            str(out_dir),
+            target,
+            "silent" if spec.name == "quiet" else "ok",
+        ]
+
+    monkeypatch.setattr(evaluation, "eval_command", command)
+    run_dir = run_dir_with_adapters(tmp_path, [5])
+    envs = [{"env": "toy", "weight": 3}, {"env": "toy", "name": "quiet", "weight": 1}]
+    cfg = make_cfg(run_dir, eval__every_steps=5, rollout__num_steps=20, rollout__envs=envs)
+    ev = Evaluator(cfg, run_dir, url, {})
+    ev.start()
+    settle(ev)
+    ev.on_row({"step": 5, "policy_version": 5})
+    settle(ev)
+    rows = read_rows(run_dir)
+    assert [(r["step"], r["env"], r["status"]) for r in rows] == [
+        (0, "toy", "ok"),
+        (0, "quiet", "nothing"),
+        (5, "toy", "ok"),
+    ]
+    assert rows[2]["eval/toy/pass@1"] == 0.25 and "eval/pass@1" not in rows[2]
+    assert seen == [
+        ("toy", "base"),
+        ("quiet", "base"),
+        ("toy", "eval-step-5"),
+    ]  # quiet: said once, then left out
+    assert (run_dir / "eval" / "toy" / "eval-step-5" / "metrics.json").is_file()

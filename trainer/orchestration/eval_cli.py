@@ -29,7 +29,7 @@ from trainer.orchestration.commands import resolve_env_module
 from trainer.orchestration.evaluation import BASE, Evaluation, Target, evaluate_now
 from trainer.orchestration.preflight import check_model
 from trainer.training.checkpoints import VERSION_DIR, adapter_dir, write_atomic
-from trainer.training.config import ConfigError, RunConfig, load_config
+from trainer.training.config import ConfigError, EnvSpec, RunConfig, load_config
 
 SHOWN = ("eval/pass@1", "eval/reward/mean", "eval/items")
 MAX_COLUMNS = 6
@@ -154,20 +154,23 @@ def table(rows: list[dict[str, Any]]) -> str:
     )
 
 
-def env_configs(cfg: RunConfig, envs: list[str]) -> list[RunConfig]:
-    """The config once per environment asked for; another environment than the config's gets no env_args (they
-    are its flags)."""
+def env_specs(cfg: RunConfig, envs: list[str]) -> list[EnvSpec]:
+    """The environments to evaluate on: the config's (every one of a mixed run), or those asked for; one asked for
+    that the config does not hold gets no env_args (they are another environment's flags)."""
+    known = {s.env: s for s in cfg.rollout.env_specs()}
     if not envs:
-        return [cfg]
+        return list(known.values())
     out = []
     for env in envs:
         resolve_env_module(
             env
         )  # an unknown name or a missing file is a ConfigError now, not in a process later
-        one = cfg.model_copy(deep=True)
-        if env != cfg.rollout.env:
-            one.rollout.env, one.rollout.env_args = env, {}
-        out.append(one)
+        out.append(
+            known.get(env)
+            or EnvSpec(
+                Path(env).stem, env, 1.0, 1.0, {}, cfg.rollout.group_size, cfg.rollout.max_token_length, 1
+            )
+        )
     return out
 
 
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, run_dir, config = resolve(args)
         targets = targets_of(args, run_dir)
-        per_env = env_configs(cfg, args.env)
+        specs = env_specs(cfg, args.env)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -204,12 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     by_env: dict[str, list[dict[str, Any]]] = {}
     try:
         with gateway(args, cfg, config, folder / "logs") as (url, auth):
-            for one in per_env:
-                env = Path(one.rollout.env).stem
+            for spec in specs:
                 for target in targets:
-                    print(f"evaluating {target.label} on {env}", flush=True)
-                    ev = Evaluation(one, url, folder / env, target, auth)
-                    by_env.setdefault(env, []).append(evaluate_now(ev))
+                    print(f"evaluating {target.label} on {spec.name}", flush=True)
+                    ev = Evaluation(cfg, spec, url, folder, target, auth)
+                    by_env.setdefault(spec.name, []).append(evaluate_now(ev))
     except (RuntimeError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

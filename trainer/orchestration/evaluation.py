@@ -25,7 +25,7 @@ import httpx
 from trainer.orchestration.commands import ROOT, flag, resolve_env_module
 from trainer.orchestration.processes import Component, stop_all
 from trainer.training.checkpoints import adapter_dir, write_atomic
-from trainer.training.config import RunConfig
+from trainer.training.config import EnvSpec, RunConfig
 
 EVAL_FILE = "eval.jsonl"
 EVAL_DIR = "eval"  # RUN_DIR/eval/<target>/: each evaluation's process log and what it wrote
@@ -59,7 +59,9 @@ def step_target(step: int, version: int, run_dir: Path) -> Target:
     return Target(f"eval-step-{step}", adapter_dir(run_dir, version), step, version)
 
 
-def eval_command(cfg: RunConfig, model_path: str, gateway_url: str, target: str, out_dir: Path) -> list[str]:
+def eval_command(
+    cfg: RunConfig, spec: EnvSpec, model_path: str, gateway_url: str, target: str, out_dir: Path
+) -> list[str]:
     """The environment's evaluate process against /eval/<target>/. The eval_* flags are the built-in
     environments' own; an environment file's runner drops the flags its config does not declare."""
     r, e = cfg.rollout, cfg.eval
@@ -67,8 +69,8 @@ def eval_command(cfg: RunConfig, model_path: str, gateway_url: str, target: str,
         "env.tokenizer_name": model_path,
         "env.use_wandb": False,  # atroposlib's evaluate turns W&B on unless told
         "env.data_dir_to_save_evals": str(out_dir),
-        "env.wandb_name": f"{Path(r.env).stem}-eval",
-        "env.max_token_length": r.max_token_length,
+        "env.wandb_name": f"{spec.name}-eval",
+        "env.max_token_length": spec.max_token_length,
         "env.seed": r.seed,
         "env.eval_k": e.k,
         "env.eval_temperature": e.temperature,
@@ -80,14 +82,14 @@ def eval_command(cfg: RunConfig, model_path: str, gateway_url: str, target: str,
         "openai.tokenizer_name": model_path,
         "openai.server_type": "vllm",
     }
-    for key in r.env_args:  # rollout.env_args wins, as in training
+    for key in spec.env_args:  # the environment's own args win, as in training
         flags.pop(f"env.{key}", None)
-    own = [f"--user-keys={','.join(r.env_args)}"] if r.env.endswith(".py") else []
+    own = [f"--user-keys={','.join(spec.env_args)}"] if spec.is_file else []
     return [
-        *resolve_env_module(r.env),
+        *resolve_env_module(spec.env),
         "evaluate",
         *(flag(k, v) for k, v in flags.items()),
-        *(flag(f"env.{k}", v) for k, v in r.env_args.items()),
+        *(flag(f"env.{k}", v) for k, v in spec.env_args.items()),
         *own,
     ]
 
@@ -121,36 +123,50 @@ def eval_row(
     metrics: dict[str, float],
     reported: list[dict[str, Any]],
     failed: str | None,
+    keyed: bool = False,
 ) -> dict[str, Any]:
     """One row of eval.jsonl: the target, `eval/<key>` for each metric the environment reported through
-    evaluate_log, and its wandb_log numbers (the last value of each key) under `reported/<key>`."""
+    evaluate_log, and its wandb_log numbers (the last value of each key) under `reported/<key>`; with `keyed` (a
+    run of several environments) `eval/<env>/<key>` and `reported/<env>/<key>`, so each environment's curves and
+    W&B keys stay apart."""
+    prefix = f"{env}/" if keyed else ""
     row: dict[str, Any] = {
         "step": target.step,
         "policy_version": target.version,
         "target": target.label,
-        "env": Path(env).stem,
+        "env": env,
         "status": "failed" if failed else "ok",
         "reason": failed,
         "seconds": round(seconds, 3),
         "unix_time": time.time(),
     }
-    row.update({f"eval/{k}": v for k, v in metrics.items()})
+    row.update({f"eval/{prefix}{k}": v for k, v in metrics.items()})
     for entry in reported:
-        row.update({f"reported/{k}": v for k, v in entry.items() if finite(v)})
+        row.update({f"reported/{prefix}{k}": v for k, v in entry.items() if finite(v)})
     return row
+
+
+def scores(row: dict[str, Any]) -> dict[str, float]:
+    """A row's `eval/` numbers by the environment's own key (without `eval/` and the environment's prefix)."""
+    prefix = f"eval/{row.get('env')}/"
+    return {
+        k.removeprefix(prefix) if k.startswith(prefix) else k.removeprefix("eval/"): v
+        for k, v in row.items()
+        if k.startswith("eval/") and finite(v)
+    }
 
 
 def line(row: dict[str, Any]) -> str:
     """The printed line of one evaluation."""
-    where = row["target"] if row.get("step") is None else f"step {row['step']} (v{row['policy_version']})"
+    if row.get("step") is None or row["target"] == BASE:
+        where = "the base model" if row["target"] == BASE else row["target"]
+    else:
+        where = f"step {row['step']} (v{row['policy_version']})"
     if row["status"] != "ok":
         return f"eval {where} | {row['env']} | FAILED after {row['seconds']:.1f}s: {row['reason']}"
-    shown = [
-        f"{k.removeprefix('eval/')} {v:.3f}"
-        for k, v in row.items()
-        if k.startswith("eval/pass@") or k == "eval/reward/mean"
-    ]
-    items = row.get("eval/items")
+    numbers = scores(row)
+    shown = [f"{k} {v:.3f}" for k, v in numbers.items() if k.startswith("pass@") or k == "reward/mean"]
+    items = numbers.get("items")
     return (
         f"eval {where} | {row['env']} | "
         + " | ".join(shown or ["no pass@k or reward reported"])
@@ -163,10 +179,18 @@ class Evaluation:
     """One evaluation in flight: the adapter loaded, the process running, a deadline."""
 
     def __init__(
-        self, cfg: RunConfig, gateway_url: str, out_root: Path, target: Target, auth: dict[str, str]
+        self,
+        cfg: RunConfig,
+        spec: EnvSpec,
+        gateway_url: str,
+        out_root: Path,
+        target: Target,
+        auth: dict[str, str],
+        keyed: bool = False,
     ):
-        self.cfg, self.target, self.gateway_url, self.auth = cfg, target, gateway_url, auth
-        self.out_dir = out_root / target.name
+        self.cfg, self.spec, self.target, self.gateway_url, self.auth = cfg, spec, target, gateway_url, auth
+        self.keyed = keyed
+        self.out_dir = out_root / spec.name / target.name
         self.started = time.monotonic()
         self.deadline = self.started + cfg.eval.timeout_s
         self.failed: str | None = None
@@ -174,8 +198,8 @@ class Evaluation:
         shutil.rmtree(self.out_dir, ignore_errors=True)  # a rerun of the same target starts clean
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.proc = Component(
-            f"eval-{target.name}",
-            eval_command(cfg, cfg.model.path, gateway_url, target.name, self.out_dir),
+            f"eval-{spec.name}-{target.name}",
+            eval_command(cfg, spec, cfg.model.path, gateway_url, target.name, self.out_dir),
             self.out_dir / "eval.log",
             cwd=ROOT,
         )
@@ -232,9 +256,8 @@ class Evaluation:
         """The row, once done(); unloads the adapter."""
         self._unload()
         metrics, reported = read_outputs(self.out_dir)
-        row = eval_row(
-            self.target, self.cfg.rollout.env, time.monotonic() - self.started, metrics, reported, self.failed
-        )
+        seconds = time.monotonic() - self.started
+        row = eval_row(self.target, self.spec.name, seconds, metrics, reported, self.failed, self.keyed)
         if self.failed is None and not metrics and not reported:
             # An environment whose evaluate() does nothing (many upstream files: `pass`) has no eval set here.
             row.update(
@@ -276,34 +299,42 @@ def evaluate_now(ev: Evaluation) -> dict[str, Any]:
 
 class Evaluator:
     """The run's evaluation schedule, driven by the supervisor's poll: the base model at the start, every
-    eval.every_steps steps as the trainer's metrics rows arrive, and the final policy at the end. One evaluation
-    runs at a time and one waits: a step that comes due while another waits replaces it, and the replaced one is
-    recorded as skipped. Steps with an `ok` row in eval.jsonl are not evaluated again (a resumed run re-reads its
-    rows from the start, so it evaluates what an interruption left out, newest first)."""
+    eval.every_steps steps as the trainer's metrics rows arrive, and the final policy at the end, each on every
+    environment of the run in turn. One target is evaluated at a time and one waits: a step that comes due while
+    another waits replaces it, and the replaced one is recorded as skipped. (step, environment) pairs with an `ok`
+    row in eval.jsonl are not evaluated again (a resumed run re-reads its rows from the start, so it evaluates what
+    an interruption left out, newest first). An environment whose evaluate() reports nothing is said once and not
+    evaluated again."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, gateway_url: str, auth: dict[str, str]):
         self.cfg, self.run_dir, self.gateway_url, self.auth = cfg, run_dir, gateway_url, auth
-        self.done_steps = {r["step"] for r in read_rows(run_dir) if r.get("status") == "ok"}
+        self.specs = cfg.rollout.env_specs()
+        self.keyed = len(self.specs) > 1
+        self.done = {(r.get("step"), r.get("env")) for r in read_rows(run_dir) if r.get("status") == "ok"}
         self.running: Evaluation | None = None
+        self.queue: list[EnvSpec] = []  # the running target's environments still to evaluate
         self.waiting: Target | None = None
-        self.off = not cfg.eval.on
+        self.silent: set[str] = set()  # environments whose evaluate() reported nothing
+        self.on = cfg.eval.on
 
     def start(self) -> None:
-        if not self.off and self.cfg.eval.at_start and 0 not in self.done_steps:
+        if self.on and self.cfg.eval.at_start:
             self._begin(step_target(0, 0, self.run_dir))
 
     def on_row(self, row: dict[str, Any]) -> None:
         step, version = row.get("step"), row.get("policy_version")
-        if self.off or not isinstance(step, int) or not isinstance(version, int):
+        if not self.on or not isinstance(step, int) or not isinstance(version, int):
             return
-        if step % self.cfg.eval.every_steps or step in self.done_steps or step >= self.cfg.rollout.num_steps:
+        if step % self.cfg.eval.every_steps or step >= self.cfg.rollout.num_steps or not self._todo(step):
             return  # the last step is the end's evaluation (finish)
         target = step_target(step, version, self.run_dir)
         if self.running is None:
             self._begin(target)
             return
         if self.waiting is not None:
-            self._skip(self.waiting, f"step {step} came due while it waited for {self.running.target.label}")
+            why = f"step {step} came due while it waited for {self.running.target.label}"
+            for spec in self._todo(self.waiting.step):
+                self._skip(self.waiting, spec, why)
         self.waiting = target
 
     def poll(self) -> None:
@@ -315,44 +346,56 @@ class Evaluator:
 
     def finish(self, last: dict[str, Any] | None) -> None:
         """After the last step: finish what runs and waits, then evaluate the final policy (blocking)."""
-        if not self.cfg.eval.on:
+        if not self.on:
             return
         while self.running is not None:
             self.poll()
             time.sleep(0.2)
-        if self.off or not self.cfg.eval.at_end:
+        if not self.cfg.eval.at_end or last is None or not self._todo(last.get("step")):
             return
-        if last is not None and last.get("step") not in self.done_steps:
-            print(f"eval: evaluating the final policy (step {last['step']})", flush=True)
-            self._begin(step_target(int(last["step"]), int(last["policy_version"]), self.run_dir))
-            assert self.running is not None
+        print(f"eval: evaluating the final policy (step {last['step']})", flush=True)
+        self._begin(step_target(int(last["step"]), int(last["policy_version"]), self.run_dir))
+        while self.running is not None:
             self._record(evaluate_now(self.running))
 
     def stop(self) -> None:
         if self.running is not None:
             self.running.stop()
             self.running = None
+            self.queue = []
+
+    def _todo(self, step: Any) -> list[EnvSpec]:
+        return [s for s in self.specs if (step, s.name) not in self.done and s.name not in self.silent]
 
     def _begin(self, target: Target) -> None:
-        self.running = Evaluation(self.cfg, self.gateway_url, self.run_dir / EVAL_DIR, target, self.auth)
+        self.queue = self._todo(target.step)
+        self._next(target)
 
-    def _skip(self, target: Target, why: str) -> None:
-        row = eval_row(target, self.cfg.rollout.env, 0.0, {}, [], why)
+    def _next(self, target: Target) -> None:
+        self.running = None
+        if self.queue:
+            spec = self.queue.pop(0)
+            out = self.run_dir / EVAL_DIR
+            self.running = Evaluation(self.cfg, spec, self.gateway_url, out, target, self.auth, self.keyed)
+
+    def _skip(self, target: Target, spec: EnvSpec, why: str) -> None:
+        row = eval_row(target, spec.name, 0.0, {}, [], why, self.keyed)
         append_row(self.run_dir, {**row, "status": "skipped"})
-        print(f"eval: {target.label} skipped: {why}", flush=True)
+        print(f"eval: {target.label} on {spec.name} skipped: {why}", flush=True)
 
     def _record(self, row: dict[str, Any]) -> None:
-        self.running = None
+        assert self.running is not None
+        target = self.running.target
         append_row(self.run_dir, row)
         if row["status"] == "ok":
-            self.done_steps.add(row["step"])
+            self.done.add((row["step"], row["env"]))
         if row["status"] == NOTHING:
-            self.off = True  # said once, not at every step
-            self.waiting = None
+            self.silent.add(row["env"])
             print(
                 f"eval: {row['env']}'s evaluate() reported nothing (no evaluate_log or wandb_log call): it has no "
-                "eval set here; no more evaluations in this run",
+                "eval set here; not evaluated again in this run",
                 flush=True,
             )
-            return
-        print(line(row), flush=True)
+        else:
+            print(line(row), flush=True)
+        self._next(target)

@@ -27,7 +27,7 @@ from trainer.orchestration.idle import Snapshot, explain_idle, log_tail
 from trainer.orchestration.processes import Component, drain_backlog, stop_all
 from trainer.training.checkpoints import VERSION_DIR, write_atomic
 from trainer.training.config import RunConfig
-from trainer.training.faults import EXIT_NEEDS_OPERATOR, FAULT_KEYS, FAULTS_FILE
+from trainer.training.faults import EXIT_NEEDS_OPERATOR, FAULT_KEYS, FAULTS_FILE, PER_ENV_RESTARTS
 from trainer.training.polling import wait_until
 
 ENVS_DONE_GRACE_S = 600.0  # the trainer may still be finishing its last step after the envs hit num_steps
@@ -153,6 +153,8 @@ class Supervisor:
             group, key = [self.gateway], "restarts_gateway"
         else:
             group, key = [comp], "restarts_env"
+            per_env = PER_ENV_RESTARTS + comp.name  # which environment, beside the total
+            self.faults[per_env] = self.faults.get(per_env, 0) + 1
         also = [c.name for c in group if c is not comp]
         print(
             f"launch.sh: {comp.name} died (exit code {code}); restarting it"

@@ -6,6 +6,7 @@ stretch's lowest and highest value so a spike stays visible."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +26,15 @@ class Panel:
     xlabel: str = ""  # default: the key
     ys: tuple[str, ...] = ()  # row keys, a line each
     ys_prefix: str | None = None  # and: every key a run has with this prefix (e.g. the fault kinds it saw)
+    ys_pattern: str | None = None  # and: every key a run has that this regular expression matches whole
     right: tuple[str, ...] = ()  # row keys on a second y axis (another unit or scale), drawn dashed
     steps: bool = False  # counters: drawn as steps
     skip_empty: bool = False  # no file at all when no run has a point (eval, which few runs log)
     empty_note: str = ""  # said on a panel with no points, instead of the keys it looked for
 
     def keys(self, rows: list[dict[str, Any]]) -> list[str]:
+        if self.ys_pattern is not None:
+            return [*self.ys, *sorted(k for k in set().union(*rows) if re.fullmatch(self.ys_pattern, k))]
         if self.ys_prefix is None:
             return [*self.ys, *self.right]
         return [*self.ys, *sorted(k for k in set().union(*rows) if k.startswith(self.ys_prefix))]

@@ -90,13 +90,14 @@ RUN_PANELS = [
 ]
 # Drawn when the run has evaluations (RUN_DIR/eval.jsonl): held-out pass@k and reward beside the training reward, and
 # whatever an environment's own evaluate() reported through wandb_log (`reported/<key>`).
+EVAL_SCORES = r"eval/(.+/)?(pass@\d+|reward/mean)"  # eval/pass@1, or eval/<env>/pass@1 in a mixed run
 EVAL_PANELS = [
     Panel(
         "eval.png",
         "held-out eval and training reward per step",
         "step",
-        ys=("reward/mean", "eval/reward/mean"),
-        ys_prefix="eval/pass@",
+        ys=("reward/mean",),
+        ys_pattern=EVAL_SCORES,
     ),
     Panel(
         "eval_over_wall_time.png",
@@ -298,9 +299,7 @@ def eval_cell(e: dict[str, Any] | None) -> str:
     parts = []
     for end in ("first", "last"):
         if e[end] is not None:
-            shown = [
-                f"{k} {cell(v)}" for k, v in e[end].items() if k.startswith("pass@") or k == "reward/mean"
-            ]
+            shown = [f"{k} {cell(v)}" for k, v in e[end].items() if "pass@" in k or k.endswith("reward/mean")]
             parts.append(f"step {e[end]['step']}: " + ", ".join(shown))
     text = " -> ".join(parts) or "no evaluation succeeded"
     text += f" ({e['evaluations']} evaluations, {e['failed']} failed, {e['skipped']} skipped while one ran)"

@@ -5,5 +5,12 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch.sh --setup
+# The dashboard's browser test drives the OS's Chromium through its chromedriver (no browser is downloaded at test
+# time): installed here where this user may (root with apt-get); elsewhere that test skips and says how to install.
+if ! command -v chromedriver >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[tests] installing chromium and chromium-driver (apt-get) for the dashboard's browser test" >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+    || echo "[tests] could not install chromium: the dashboard's browser test will skip" >&2
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec "${VENV:-.venv}/bin/python" -m pytest "$@"

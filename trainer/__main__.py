@@ -6,6 +6,7 @@ python -m trainer tiny-model [--out DIR] [--seed N]                  # build/cac
 python -m trainer summary RUN_DIR [RUN_DIR ...]                      # a run in a few lines
 python -m trainer report RUN_DIR                                     # one run's report, into RUN_DIR/report
 python -m trainer report RUN_DIR RUN_DIR [...] --out DIR             # side-by-side comparison report
+python -m trainer dashboard [FOLDER ...] [--host H --token T]        # live web page of runs and service clients
 python -m trainer eval RUN_DIR [--version N] [--base] [--adapter DIR]  # held-out eval of a run's adapters / the base
 
 Benchmarks and the soak test are `python -m benchmarks ...` (see `python -m benchmarks --help`).
@@ -24,6 +25,7 @@ from trainer.training.config import ConfigError, RunConfig, load_config
 TOOLS = {  # sub-command -> module whose main(argv) it runs
     "summary": "trainer.readout.summary",
     "report": "trainer.readout.report",
+    "dashboard": "trainer.readout.dashboard",
     "eval": "trainer.orchestration.eval_cli",
 }
 MOVED = {  # former sub-command -> the command that runs it now

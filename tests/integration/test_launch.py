@@ -127,6 +127,7 @@ def test_a_bf16_run_stops_on_sigterm_resumes_learns_and_evaluates(tmp_path):
     rc, out, elapsed = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 120)
     assert rc == 0 and "already finished" in out and elapsed < 30, out[-2000:]
     assert_evaluated(run_dir, page)
+    assert_distills_from(run_dir, tmp_path / "student")
 
 
 def assert_evaluated(run_dir: Path, page: str) -> None:
@@ -161,6 +162,22 @@ def assert_evaluated(run_dir: Path, page: str) -> None:
         assert row["env"] == "eval_reporter" and row["status"] == "ok", row
         assert 0 <= row["eval/conformance/accuracy"] <= 1 and row["eval/conformance/items"] > 0, row
         assert "reported/conformance/accuracy" in row and "reported/conformance/buffered_accuracy" in row, row
+
+
+def assert_distills_from(teacher: Path, run_dir: Path) -> None:
+    """On-policy distillation from the finished run above (its newest adapter is the teacher): a fresh float32
+    student with no reward in its loss moves to the teacher and learns the task it never got a reward for."""
+    overrides = ["distill.reward_coef=0", "eval.every_steps=1000", "rollout.num_steps=25"]
+    rc, out, _ = run_launch(launch_cmd(run_dir, f"distill.teacher={teacher}", *overrides), 600)
+    assert rc == 0, out[-3000:]
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert Path(config["distill"]["teacher"]).parent == teacher / "adapters"  # resolved at launch: the newest
+    kl = [r["distill/teacher_kl"] for r in read_metrics(run_dir) if r.get("distill/teacher_kl") is not None]
+    first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
+    assert first > 5 * last, kl
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert evals[0]["eval/pass@1"] <= 0.3 and evals[-1]["eval/pass@1"] >= 0.8, evals
+    assert (run_dir / "report" / "distill.png").stat().st_size > 5000
 
 
 def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path):

@@ -135,3 +135,30 @@ def test_distillation_steps_bring_the_student_to_the_teacher_on_its_tokens(tmp_p
         current = [dataclasses.replace(ex, sampler_logprobs=lp) for ex, lp in zip(examples, now, strict=True)]
         gaps.append(gap(now))
     assert gaps[-1] < 0.5 * gaps[0], gaps
+
+
+def test_the_teacher_is_a_peft_folder_or_a_run_folders_newest_adapter_and_local_only(tmp_path, teacher_dir):
+    from trainer.training.checkpoints import adapter_dir
+    from trainer.training.config import ConfigError
+    from trainer.training.distill import resolve_teacher
+
+    assert resolve_teacher(str(teacher_dir)) == str(teacher_dir)
+    for v in (2, 10):
+        adapter_dir(tmp_path, v).mkdir(parents=True)
+    assert resolve_teacher(str(tmp_path)) == str(adapter_dir(tmp_path, 10))
+    with pytest.raises(ConfigError, match="neither a PEFT adapter folder"):
+        resolve_teacher(str(tmp_path / "adapters"))
+    with pytest.raises(ValueError, match="the teacher is scored in the local trainer"):
+        make_cfg(tmp_path, distill__teacher="x", launch__backend="tinker")
+    with pytest.raises(ValueError, match="distillation runs in one trainer process"):
+        make_cfg(tmp_path, distill__teacher="x", distributed__nproc_per_node=2)
+
+
+def test_distillation_trains_groups_whose_rewards_are_all_equal():
+    group = json.loads(FIXTURE.read_text())["batch"][0]
+    same = {**group, "scores": [0.5] * len(group["scores"])}
+    assert not convert_batch([same], IntakeOptions(vocab_size=2048, max_seq_len=64)).examples
+    kept = convert_batch([same], IntakeOptions(vocab_size=2048, max_seq_len=64, keep_zero_variance=True))
+    assert len(kept.examples) == len(group["tokens"]) and all(
+        a == 0 for e in kept.examples for a in e.advantages
+    )

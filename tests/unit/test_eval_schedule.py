@@ -304,3 +304,4 @@ def test_a_mixed_run_evaluates_every_environment_under_keys_of_its_own(tmp_path,
         ("toy", "eval-step-5"),
     ]  # quiet: said once, then left out
     assert (run_dir / "eval" / "toy" / "eval-step-5" / "metrics.json").is_file()
+    assert calls == [("load", "eval-step-5"), ("unload", "eval-step-5")]

@@ -8,6 +8,7 @@ from trainer.backends.data_parallel import RankZeroBackend, follow
 from trainer.backends.local import LocalBackend
 from trainer.training.backend import TrainingBackend
 from trainer.training.config import RunConfig
+from trainer.training.distill import resolve_teacher
 
 
 def build_backend(cfg: RunConfig) -> TrainingBackend:
@@ -17,6 +18,8 @@ def build_backend(cfg: RunConfig) -> TrainingBackend:
 
         return TinkerBackend(cfg)
     local = LocalBackend(cfg)
+    if cfg.distill.teacher is not None:
+        local.load_teacher(resolve_teacher(cfg.distill.teacher))
     return RankZeroBackend(local) if local.ranks.world_size > 1 else local
 
 

@@ -34,11 +34,13 @@ from trainer.orchestration.commands import (
     env_preflight_command,
     env_share_lines,
 )
+from trainer.orchestration.dashboard_launch import start_dashboard
 from trainer.orchestration.processes import Component, listen, stop_all, stop_first
 from trainer.orchestration.slurm import Placement, SlurmJob, job_from_env, parse_nodelist, plan
 from trainer.orchestration.supervisor import LaunchError, Supervisor, wait_http
 from trainer.training.checkpoints import read_latest
 from trainer.training.config import ConfigError, EnvSpec, RunConfig, load_config, sampler_dtype
+from trainer.training.distill import resolve_teacher
 
 ANY_HOST = frozenset({"0.0.0.0", "::"})
 RUNS = ROOT / "runs"  # a new run's folder goes here unless trainer.output_dir says where
@@ -137,6 +139,11 @@ def preflight(cfg: RunConfig) -> str:
     for spec in specs:  # an env file's check needs the model's tokenizer folder: those run after the download
         if not spec.is_file:
             problems += check_environment(cfg, found if isinstance(found, str) else wanted, spec)
+    if cfg.distill.teacher is not None:
+        try:  # the folder the trainer will load, fixed now (a teacher run's newest adapter at launch)
+            cfg.distill.teacher = resolve_teacher(cfg.distill.teacher)
+        except ConfigError as exc:
+            problems.append(str(exc))
     if problems:
         raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
     assert found is not None  # find_model either answered or its problem was raised above
@@ -385,6 +392,7 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     print(f"run folder: {run_dir}{' (resumed)' if resumed else ''}", flush=True)
     ended = "failed"
+    dashboard = start_dashboard(cfg, run_dir)  # a viewer: stopped with the run, never restarted
     try:
         start_all(components, cfg, run_dir)
         print("all components up; training", flush=True)
@@ -403,7 +411,7 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
         # to verify and serve it) and writes a final checkpoint; then everything else.
         if components:  # api, gateway, *envs, trainer (build_components)
             stop_first(components[-1], TRAINER_STOP_S)
-        stop_all(components)
+        stop_all(components + ([dashboard] if dashboard else []))
         # While our handlers stand: a second Ctrl-C cuts the report short, not the launcher.
         write_report(run_dir, ended)
         for s, handler in old.items():

@@ -56,6 +56,13 @@ RUN_PANELS = [
     Panel("reward_per_step.png", "reward per step", "step", ys=("reward/mean",)),
     Panel("reward_over_wall_time.png", "reward over wall time", ELAPSED, WALL, ys=("reward/mean",)),
     Panel("loss.png", "loss", "step", ys=("loss",)),
+    Panel(
+        "distill.png",
+        "distillation: reverse KL to the teacher per token (estimate)",
+        "step",
+        ys=("distill/teacher_kl",),
+        skip_empty=True,
+    ),
     Panel("grad_norm.png", "gradient norm", "step", ys=("optim/grad_norm",)),
     Panel(
         "mismatch.png",

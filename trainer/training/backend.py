@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from trainer.training.batch import TrainingExample
 from trainer.training.losses import LossParams, Reduction
@@ -73,4 +73,13 @@ class TrainingBackend(Protocol):
     @property
     def step(self) -> int:
         """Optimizer steps taken (restored by load_state)."""
+        ...
+
+
+@runtime_checkable
+class TeacherScoring(Protocol):
+    """A backend that scores a distillation teacher (trainer/training/distill.py): the local one."""
+
+    def teacher_logprobs(self, examples: Sequence[TrainingExample]) -> list[list[float]]:
+        """The teacher's logprob of every trained token of `examples` (0.0 elsewhere)."""
         ...

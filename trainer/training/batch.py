@@ -193,6 +193,8 @@ class IntakeOptions:
     # A group without inference_logprobs (an environment that re-tokenizes with tokenize_for_trainer): "drop" it,
     # or "recompute": its sampler logprobs are NaN here and the trainer uses its own, detached (ratio 1).
     missing_sampler_logprobs: str = "drop"
+    # Distillation trains a group whose rewards are all equal: the teacher's signal does not need a reward spread.
+    keep_zero_variance: bool = False
 
 
 def parse_batch_response(body: Any) -> list[Any] | None:
@@ -304,7 +306,7 @@ def _convert_group(gi: int, g: ScoredDataGroup, opts: IntakeOptions, out: Conver
         return
     out.scores.extend(g.scores)
     out.group_scores[gi] = list(g.scores)
-    if g.advantages is None and max(g.scores) == min(g.scores):
+    if g.advantages is None and max(g.scores) == min(g.scores) and not opts.keep_zero_variance:
         out.groups_zero_variance += 1
         out.zero_variance_groups.append(gi)
         return

@@ -372,6 +372,26 @@ class RolloutConfig(_Section):
         return out
 
 
+class DistillConfig(_Section):
+    """On-policy distillation (trainer/training/distill.py): a teacher scores the student's sampled tokens."""
+
+    teacher: str | None = Field(
+        None,
+        description="a LoRA adapter on model.path to distill from: a PEFT folder, or a run folder (its newest "
+        "adapter); None = no distillation",
+    )
+    kl_coef: float = Field(
+        1.0, gt=0, description="weight of the teacher term: kl_coef x (teacher - sampler logprob)"
+    )
+    reward_coef: float = Field(
+        0.0, ge=0, description="weight of the environment's advantage beside it; 0 = pure distillation"
+    )
+
+    @property
+    def on(self) -> bool:
+        return self.teacher is not None
+
+
 class EvalConfig(_Section):
     """Held-out evaluation while training: the environment's own evaluate() in a process of its own, sampling the
     policy of one step through the gateway's /eval/<target>/ routes (no on-policy gate, quota or ledger)."""
@@ -435,6 +455,10 @@ class LaunchConfig(_Section):
     run_api_port: int = Field(0, ge=0, lt=65536, description="Atropos run-api port; 0 = a free one")
     run_api_url: str | None = Field(None, description="set by the launcher once run-api is up")
     gateway_url: str | None = Field(None, description="set by the launcher once the gateway is healthy")
+    dashboard: bool = Field(
+        False,
+        description="serve the live dashboard of this run on 127.0.0.1 (a free port; its URL is printed)",
+    )
     health_timeout_s: float = Field(600.0, gt=0, description="deadline for each component to become healthy")
     idle_warn_s: float = Field(
         180.0,
@@ -531,6 +555,7 @@ class RunConfig(_Section):
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     publish: PublishConfig = Field(default_factory=PublishConfig)
@@ -558,6 +583,16 @@ class RunConfig(_Section):
                 )
         if self.loss.tis_cap is not None and self.loss.name not in RATIO_LOSSES:
             raise ValueError(f"loss.tis_cap applies to ratio losses, not loss.name={self.loss.name!r}")
+        if self.distill.on and self.launch.backend != "local":
+            raise ValueError(
+                "distill.teacher with launch.backend=tinker: the teacher is scored in the local trainer's model; "
+                "distil with launch.backend=local"
+            )
+        if self.distill.on and self.distributed.world_size > 1:
+            raise ValueError(
+                f"distill.teacher with {self.distributed.world_size} data-parallel ranks: distillation runs in one "
+                "trainer process for now; set distributed.nproc_per_node=1 and distributed.nnodes=1"
+            )
         if self.distributed.world_size > 1 and self.launch.backend == "tinker":
             raise ValueError(
                 f"distributed.nproc_per_node x nnodes = {self.distributed.world_size}: Tinker trains "

@@ -13,8 +13,27 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from trainer.training.batch import TrainingExample
+from trainer.training.checkpoints import VERSION_DIR
+from trainer.training.config import ConfigError
+
+
+def resolve_teacher(path: str) -> str:
+    """distill.teacher as an adapter folder: a PEFT folder as given, or a run folder's newest adapter."""
+    folder = Path(path).expanduser().resolve()
+    if (folder / "adapter_config.json").is_file():
+        return str(folder)
+    versions = [
+        (int(m.group(1)), p) for p in (folder / "adapters").glob("v*") if (m := VERSION_DIR.match(p.name))
+    ]
+    if versions:
+        return str(max(versions)[1])
+    raise ConfigError(
+        f"distill.teacher={path!r} is neither a PEFT adapter folder (no adapter_config.json) nor a run folder with "
+        "adapters/vN: train a teacher first (e.g. bash launch.sh toy) and pass its run folder"
+    )
 
 
 def distill_examples(

@@ -24,10 +24,11 @@ from typing import Any
 
 import httpx
 
-from trainer.training.backend import TrainingBackend
+from trainer.training.backend import TeacherScoring, TrainingBackend
 from trainer.training.batch import (
     ConvertedBatch,
     IntakeOptions,
+    TrainingExample,
     convert_batch,
     parse_batch_response,
     per_env_metrics,
@@ -45,6 +46,7 @@ from trainer.training.checkpoints import (
     write_loop_state,
 )
 from trainer.training.config import RunConfig
+from trainer.training.distill import distill_examples
 from trainer.training.faults import fault_counts
 from trainer.training.gateway_client import ExpectResponse, GatewayClient
 from trainer.training.polling import wait_until
@@ -338,6 +340,7 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
         normalize_std=cfg.normalize_std(),
         std_eps=cfg.advantage.std_eps,
         require_sampler_logprobs=cfg.loss.name != "cross_entropy",
+        keep_zero_variance=cfg.distill.on,
     )
     run = RunTally(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step)
     pending: PendingStep | None = None
@@ -497,6 +500,21 @@ def _finish_step(
         run.checkpointed = state.step
 
 
+def with_teacher(
+    cfg: RunConfig, backend: TrainingBackend, examples: list[TrainingExample]
+) -> tuple[list[TrainingExample], dict[str, float]]:
+    """The step's examples with distillation advantages (trainer/training/distill.py) and the `distill/*` metrics."""
+    if not isinstance(backend, TeacherScoring):
+        raise TypeError(
+            f"distill.teacher needs a backend that scores a teacher; {type(backend).__name__} does not"
+        )
+    started = time.monotonic()
+    teacher = backend.teacher_logprobs(examples)
+    out, metrics = distill_examples(examples, teacher, cfg.distill.kl_coef, cfg.distill.reward_coef)
+    metrics["distill/teacher_s"] = time.monotonic() - started
+    return out, metrics
+
+
 def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -> None:
     """Backend state, then loop state, then `latest`: until `latest` moves, the previous checkpoint is the one a
     resume loads (a full disk midway leaves it so)."""
@@ -621,8 +639,12 @@ def _one_step(
     publish: Future[PublishOutcome] | None = None
     version: int | None = None
     if converted.examples:
+        examples = converted.examples
+        if cfg.distill.on:
+            examples, distilled = with_teacher(cfg, backend, examples)
+            train.update(distilled)
         adam = build_adam_params(backend.step, cfg.optim)
-        fb, optim = backend.train_step(converted.examples, cfg.loss.params(), cfg.loss.reduction, adam)
+        fb, optim = backend.train_step(examples, cfg.loss.params(), cfg.loss.reduction, adam)
         train.update({"loss": fb.loss, **optim})
         train.update({k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS})
         times.trained = time.monotonic()

@@ -93,9 +93,10 @@ def test_two_environments_mixed_three_to_one_train_together(tmp_path):
 
 
 def test_a_killed_environment_is_restarted_alone_and_the_mix_goes_on(tmp_path):
-    """kill -9 of one environment mid-run: only it is restarted, its new registration replaces the dead one in
-    run-api (or no batch would form again: every batch waits for each environment's share), the run finishes."""
-    run_dir, steps = tmp_path / "run", 14
+    """One environment stopped (SIGSTOP) mid-run holds batches for rollout.mix_wait_s only: the other fills them,
+    the shortfall is counted, and once continued it sends its share again. Then kill -9 of it: only it is restarted,
+    its new registration replaces the dead one in run-api, the run finishes."""
+    run_dir, steps = tmp_path / "run", 18
     cmd = [
         "bash",
         str(ROOT / "launch.sh"),
@@ -106,18 +107,30 @@ def test_a_killed_environment_is_restarted_alone_and_the_mix_goes_on(tmp_path):
         f"rollout.num_steps={steps}",
         f"optim.total_steps={steps}",
         "launch.idle_warn_s=0",
+        "rollout.mix_wait_s=3",
     ]
     log = (tmp_path / "launch.log").open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
 
-        def progressed() -> bool:
+        def progressed(n: int) -> bool:
             assert proc.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
             metrics = run_dir / "metrics.jsonl"
-            return metrics.exists() and len(metrics.read_text().splitlines()) >= 4
+            return metrics.exists() and len(metrics.read_text().splitlines()) >= n
 
-        wait_until(progressed, 600, "four steps", 0.5)
+        wait_until(lambda: progressed(4), 600, "four steps", 0.5)
         before = json.loads((run_dir / "pids.json").read_text())
+        os.kill(before["env-residue"], signal.SIGSTOP)
+        try:
+            wait_until(lambda: progressed(7), 120, "three steps while residue is stopped", 0.5)
+        finally:
+            os.kill(before["env-residue"], signal.SIGCONT)
+        stopped = read_metrics(run_dir)[-1]
+        assert (
+            stopped["rollouts/residue/short_batches"] >= 1
+            and stopped["rollouts/residue/shortfall_sequences"] > 0
+        )
+        wait_until(lambda: progressed(10), 300, "three steps after residue continued", 0.5)
         killed_at = time.time()
         os.kill(before["env-residue"], signal.SIGKILL)
         rc = proc.wait(timeout=600)

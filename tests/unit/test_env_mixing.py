@@ -4,6 +4,7 @@ environment replacing its dead registration), and the trainer's per-environment 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -221,3 +222,31 @@ def test_idle_line_names_the_environment_that_holds_the_batch(run_api: TestClien
     assert "lack theirs" not in explain_idle(
         200, before, Snapshot.read({}, run_api.get("/status").json()), 16, "", ""
     )
+
+
+def test_an_environment_sending_nothing_holds_batches_only_for_mix_wait_s_and_its_shortfall_is_counted(
+    run_api: TestClient, monkeypatch
+):
+    from trainer.orchestration import run_api as module
+
+    monkeypatch.setattr(module, "MIX_WAIT_S", 0.3)
+    monkeypatch.setattr(module, "waiting_since", None)
+    monkeypatch.setattr(module, "shortfall", {})
+    a, b = register(run_api, "toy-0", 0.75), register(run_api, "residue-0", 0.25)
+    send(run_api, a, 4)  # residue is stopped (SIGSTOP, a slow scorer): it sends nothing
+    assert batch_env_ids(run_api) is None  # within mix_wait_s its share still holds the batch
+    time.sleep(0.4)
+    assert batch_env_ids(run_api) == [a, a, a, a]  # then the others fill it
+    listed = {e["name"]: e for e in run_api.get("/envs").json()["envs"]}
+    assert (listed["residue-0"]["short_batches"], listed["residue-0"]["shortfall_sequences"]) == (1, 4)
+    assert listed["toy-0"]["short_batches"] == 0
+    assert listed["residue-0"]["min_batch_allocation"] == 0.25  # its share is back for the next batch
+    send(run_api, a, 2)  # each environment queues about its own share only: not enough for a whole batch
+    assert batch_env_ids(run_api) is None
+    time.sleep(0.4)
+    assert batch_env_ids(run_api) == [a, a]  # a short batch of what is queued
+    send(run_api, a, 3)
+    send(run_api, b, 1)
+    assert batch_env_ids(run_api) == [a, a, a, b]  # it sends again: an ordinary batch, nothing more counted
+    residue = run_api.get("/envs").json()["envs"][1]
+    assert (residue["short_batches"], residue["shortfall_sequences"]) == (2, 8)

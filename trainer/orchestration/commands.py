@@ -180,6 +180,10 @@ def server_argvs(
     logs = run_dir / "logs"
     gateway = [PY, "-m", "inference", "--config", str(run_dir / "gateway.yaml"), "--log-dir", str(logs)]
     run_api = [PY, "-m", "uvicorn", MIXED_RUN_API_APP if cfg.rollout.envs else RUN_API_APP]
+    if (
+        cfg.rollout.envs
+    ):  # how long one environment's share may hold a batch (trainer/orchestration/run_api.py)
+        run_api = ["env", f"RUN_API_MIX_WAIT_S={cfg.rollout.mix_wait_s}", *run_api]
     if placement is None:
         return {
             "run-api": [*run_api, "--fd", str(fds.get("run-api", "<fd>"))],

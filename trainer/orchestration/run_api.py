@@ -11,17 +11,28 @@
   /disconnect-env), and with min_batch_allocation a connected environment with nothing queued holds every batch:
   without this, one environment's crash would stall the whole run.
 
+- `GET /batch`, when the trainer has waited `RUN_API_MIX_WAIT_S` seconds (the launcher passes rollout.mix_wait_s)
+  for a batch that one environment's minimum share holds back (it sends nothing: slow, stopped, restarting), forms
+  it without that environment's minimum: the others fill it, or, as each caps what it queues at its own share,
+  what they have queued makes a short batch. What each environment fell short of its share is counted in
+  `GET /envs` (`short_batches`, `shortfall_sequences`), which the trainer records per environment.
+
 Served by uvicorn as `trainer.orchestration.run_api:app`; imports only atroposlib and FastAPI.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from atroposlib.api import server
 from fastapi.routing import APIRoute
 
 app = server.app
+MIX_WAIT_S = float(os.environ.get("RUN_API_MIX_WAIT_S", "30"))
+waiting_since: float | None = None  # when the trainer's first unanswered /batch of the current batch came
+shortfall: dict[int, list[int]] = {}  # env id -> [batches it fell short in, sequences short]
 
 
 def registered(state: Any) -> list[dict[str, Any]]:
@@ -49,6 +60,8 @@ async def list_envs() -> dict[str, Any]:
                 "min_batch_allocation": e["min_batch_allocation"],
                 "group_size": e["group_size"],
                 "queued_sequences": queued.get(e["registered_id"], 0),
+                "short_batches": shortfall.get(e["registered_id"], [0, 0])[0],
+                "shortfall_sequences": shortfall.get(e["registered_id"], [0, 0])[1],
             }
             for e in registered(app.state)
         ]
@@ -77,12 +90,79 @@ async def register_env(register_env: server.RegisterEnv) -> dict[str, Any]:
     return result
 
 
+def needed(env: dict[str, Any], batch_size: int) -> int:
+    """An environment's minimum sequences per batch, as atroposlib computes it."""
+    return int(batch_size * env["min_batch_allocation"])
+
+
+async def get_batch() -> dict[str, Any]:
+    """atroposlib's /batch; past MIX_WAIT_S of waiting, without the minimum of each environment short of it."""
+    global waiting_since
+    state, now = app.state, time.monotonic()
+    relaxed: list[dict[str, Any]] = []
+    if getattr(state, "started", False) and not state.curr_batch:
+        waiting_since = waiting_since if waiting_since is not None else now
+        if now - waiting_since > MIX_WAIT_S:
+            queued = queued_by_env(state)
+            for e in registered(state):
+                if e["connected"] and e.get("min_batch_allocation") is not None:
+                    if queued.get(e["registered_id"], 0) < needed(e, state.batchsize):
+                        relaxed.append(e)
+    before = len(getattr(state, "curr_batch", []))
+    saved = [e["min_batch_allocation"] for e in relaxed]
+    for e in relaxed:
+        e["min_batch_allocation"] = None
+    try:
+        answer: dict[str, Any] = await server.get_batch()
+    finally:
+        for e, value in zip(relaxed, saved, strict=True):
+            e["min_batch_allocation"] = value
+    if relaxed and not answer.get("batch"):
+        answer = short_batch(state)
+    if answer.get("batch"):
+        waiting_since = None
+        formed = [answer["batch"], *state.curr_batch[before:]]
+        for e in relaxed:
+            for batch in formed:
+                got = sum(len(g["tokens"]) for g in batch if g.get("env_id") == e["registered_id"])
+                short = max(0, needed(e, state.batchsize) - got)
+                counts = shortfall.setdefault(e["registered_id"], [0, 0])
+                counts[0] += 1
+                counts[1] += short
+            server.logger.warning(
+                "environment %s held the batch for over %.0f s: %d batch(es) formed without its minimum share",
+                e["desired_name"],
+                MIX_WAIT_S,
+                len(formed),
+            )
+    return answer
+
+
+def short_batch(state: Any) -> dict[str, Any]:
+    """A batch of what is queued, up to the batch size: each environment caps what it queues at its own share (its
+    min_batch_allocation), so without one of them the others cannot fill a whole batch by themselves."""
+    taken, total = [], 0
+    for group in state.queue:
+        n = len(group.get("tokens", []))
+        if total + n <= state.batchsize:
+            taken.append(group)
+            total += n
+    if not taken:
+        return {"batch": None}
+    ids = {id(g) for g in taken}
+    state.queue = [g for g in state.queue if id(g) not in ids]
+    state.status_dict["step"] += 1
+    server.logger.warning("sending a short batch of %d sequences (batch size %d)", total, state.batchsize)
+    return {"batch": taken}
+
+
 def _install() -> None:
     # Ours first: Starlette answers with the first route that matches, and atroposlib's /register-env exists.
     ours = [
         APIRoute("/register-env", register_env, methods=["POST"]),
         APIRoute("/envs", list_envs, methods=["GET"]),
         APIRoute("/status", status, methods=["GET"]),
+        APIRoute("/batch", get_batch, methods=["GET"]),
     ]
     app.router.routes[:0] = ours
 

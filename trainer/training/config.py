@@ -305,6 +305,12 @@ class RolloutConfig(_Section):
         "chat): keep them (their lag is bounded by max_batches_offpolicy) or drop them",
     )
     seed: int = Field(0, description="environment data seed")
+    mix_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="a mixed run: once the trainer has waited this long for a batch that an environment sending "
+        "nothing holds back, the batch forms without that environment's share (the shortfall is counted)",
+    )
 
     @property
     def batch_size(self) -> int:

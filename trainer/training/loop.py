@@ -174,6 +174,21 @@ class RunApi:
                 log.warning("run-api did not name its environments (GET /envs): %s", exc)
         return self._env_names
 
+    def shortfalls(self) -> dict[str, float]:
+        """A mixed run's `rollouts/<env>/short_batches` and `.../shortfall_sequences`: batches run-api formed
+        without an environment's full share after rollout.mix_wait_s (trainer/orchestration/run_api.py), and the
+        sequences it fell short by, counted since run-api started. Empty when run-api does not answer."""
+        out: dict[str, float] = {}
+        try:
+            envs = checked(self._http.get("/envs")).json()["envs"]
+            for e in envs:
+                name = str(e["name"]).rsplit("-", 1)[0]
+                for key in ("short_batches", "shortfall_sequences"):
+                    out[f"rollouts/{name}/{key}"] = out.get(f"rollouts/{name}/{key}", 0.0) + float(e[key])
+        except (httpx.HTTPError, ComponentDown, ValueError, KeyError, TypeError) as exc:
+            log.warning("run-api did not report its environments' shortfall (GET /envs): %s", exc)
+        return out
+
 
 class MetricsWriter:
     def __init__(self, path: Path, use_wandb: bool, cfg: RunConfig):
@@ -368,6 +383,8 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
             pending = _one_step(
                 cfg, backend, gateway, publisher, intake, state, groups, StepTimes(waiting_since), hold, names
             )
+            if cfg.rollout.envs:
+                pending.row.update(api.shortfalls())
             if not publisher.overlap:
                 _finish_step(cfg, backend, metrics, run, pending, state, api, run_dir)
                 pending = None

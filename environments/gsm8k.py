@@ -178,21 +178,26 @@ class GSM8KEnv(ResumableData):
 
     async def collect_trajectories(self, item: dict[str, str]) -> tuple[ScoredDataGroup | None, list[Any]]:
         cfg: Any = self.config
-        gold = extract_gold(item["answer"])
+        nodes, texts, gold = await self.answers(item, cfg.group_size, cfg.max_new_tokens, cfg.temperature)
+        return group_from_nodes(nodes, [score_completion(t, gold) for t in texts]), []
+
+    async def answers(
+        self, row: dict[str, str], n: int, max_tokens: int, temperature: float, **split: str
+    ) -> tuple[list[Any], list[str], str]:
+        """n sampled answers to one question (ManagedServer nodes and their texts), and its gold answer: what
+        training and evaluation both score."""
+        gold = extract_gold(row["answer"])
         messages = [
             {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": item["question"]},
+            {"role": "user", "content": row["question"]},
         ]
         async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
             await managed.chat_completion(
-                messages=messages,
-                n=cfg.group_size,
-                max_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
+                messages=messages, n=n, max_tokens=max_tokens, temperature=temperature, **split
             )
             nodes = managed.get_state()["nodes"]
-        texts = [self.tokenizer.decode(completion_ids(n), skip_special_tokens=True) for n in nodes]
-        return group_from_nodes(nodes, [score_completion(t, gold) for t in texts]), []
+        texts = [self.tokenizer.decode(completion_ids(node), skip_special_tokens=True) for node in nodes]
+        return nodes, texts, gold
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:
         cfg: Any = self.config
@@ -201,21 +206,9 @@ class GSM8KEnv(ResumableData):
 
     async def eval_samples(self, row: dict[str, str]) -> list[Sampled]:
         cfg: Any = self.config
-        gold = extract_gold(row["answer"])
-        messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": row["question"]},
-        ]
-        async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
-            await managed.chat_completion(
-                messages=messages,
-                n=cfg.eval_k,
-                max_tokens=eval_max_new_tokens(cfg),
-                temperature=cfg.eval_temperature,
-                split="eval",
-            )
-            nodes = managed.get_state()["nodes"]
-        texts = [self.tokenizer.decode(completion_ids(n), skip_special_tokens=True) for n in nodes]
+        _, texts, gold = await self.answers(
+            row, cfg.eval_k, eval_max_new_tokens(cfg), cfg.eval_temperature, split="eval"
+        )
         return [
             (score_completion(t, gold), {"question": row["question"], "gold": gold, "completion": t})
             for t in texts

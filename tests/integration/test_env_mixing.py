@@ -69,12 +69,26 @@ def test_two_environments_mixed_three_to_one_train_together(tmp_path):
     for env in ("toy", "residue"):
         totals = {k: sum(r.get(f"rollouts/{env}/{k}", 0) for r in rows) for k in COUNTS}
         print(f"{env}: {totals}")
+    # What run-api handed out follows the weights to a group (its minimum shares; the rest of a batch goes by queue
+    # order); what the trainer took of each environment (trained, or skipped only because a solved environment's
+    # group has equal rewards and so no gradient) within 0.05.
     for last in (SHARE_STEPS, STEPS):
+        received = {
+            e: sum(r[f"rollouts/{e}/sequences_received"] for r in rows[:last]) for e in ("toy", "residue")
+        }
+        assert abs(received["toy"] / sum(received.values()) - 0.75) <= 0.02, received
+        taken = {
+            e: sum(
+                r[f"rollouts/{e}/sequences_trained"] + r[f"rollouts/{e}/sequences_zero_variance"]
+                for r in rows[:last]
+            )
+            for e in ("toy", "residue")
+        }
         trained = {
             e: sum(r[f"rollouts/{e}/sequences_trained"] for r in rows[:last]) for e in ("toy", "residue")
         }
-        shares = {e: n / sum(trained.values()) for e, n in trained.items()}
-        print(f"trained sequences by environment over steps 1-{last}: {trained}, shares {shares}")
+        shares = {e: n / sum(taken.values()) for e, n in taken.items()}
+        print(f"steps 1-{last}: received {received}, taken {taken} (shares {shares}), trained {trained}")
         assert abs(shares["toy"] - 0.75) <= 0.05 and abs(shares["residue"] - 0.25) <= 0.05, shares
     for env in ("toy", "residue"):
         rewards = [r[f"reward/{env}/mean"] for r in rows if r[f"reward/{env}/mean"] is not None]

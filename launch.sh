@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # launch.sh: the one entry point users run.
 #   bash launch.sh ENV [--backend local|tinker] [--config FILE] [key=value ...] [--dry-run] [--resume RUN_DIR]
+#   bash launch.sh --config FILE [key=value ...]   the environments the file names (rollout.env or rollout.envs)
 #   sbatch [sbatch options] launch.sh ENV ...   the same run as a SLURM job (submit from the repository folder)
 #   bash launch.sh --setup        only create/update .venv (first run: ~2 min, ~3 GB on CPU)
 #   bash launch.sh service [--config FILE] [k=v ...]   the local Tinker-protocol service (README)

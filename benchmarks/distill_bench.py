@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.onpolicy_bench import launch_toy
 from trainer.orchestration.commands import ROOT, git_sha
-from trainer.orchestration.processes import stop_child
 from trainer.readout.summary import summarize
 
 COMMAND = "python -m benchmarks distill"
@@ -41,35 +40,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def launch(args: argparse.Namespace, run_dir: Path, *overrides: str) -> tuple[int | None, float]:
-    cmd = [
-        "bash",
-        str(ROOT / "launch.sh"),
-        "toy",
-        "--config",
-        args.config,
-        f"trainer.output_dir={run_dir}",
-        *overrides,
-        *args.overrides,
-    ]
-    started = time.monotonic()
-    with run_dir.with_suffix(".launch.log").open("w") as log:
-        launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            code = launcher.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            stop_child(launcher, 120)
-    return code, time.monotonic() - started
-
-
 def jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def student(args: argparse.Namespace, run_dir: Path, *overrides: str) -> dict[str, Any]:
-    code, wall = launch(args, run_dir, f"rollout.num_steps={args.steps}", "eval.every_steps=5", *overrides)
+    code, wall = launch_toy(
+        args, run_dir, f"rollout.num_steps={args.steps}", "eval.every_steps=5", *overrides
+    )
     rows = jsonl(run_dir / "metrics.jsonl")
     evals = {e["step"]: e for e in jsonl(run_dir / "eval.jsonl") if e.get("status") == "ok"}
     kl = [r["distill/teacher_kl"] for r in rows if r.get("distill/teacher_kl") is not None]
@@ -100,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     teacher = args.teacher
     if teacher is None:
         print("distill: training the teacher (RL)", file=sys.stderr, flush=True)
-        code, wall = launch(
+        code, wall = launch_toy(
             args, out / "teacher", f"rollout.num_steps={args.teacher_steps}", "eval.every_steps=0"
         )
         teacher_run = {

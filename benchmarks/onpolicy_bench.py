@@ -40,8 +40,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_one(args: argparse.Namespace, out: Path, staleness: int, gate: str) -> dict[str, Any]:
-    run_dir = out / f"staleness{staleness}-gate-{gate}"
+def launch_toy(args: argparse.Namespace, run_dir: Path, *overrides: str) -> tuple[int | None, float]:
+    """`launch.sh toy --config args.config` into `run_dir` with the overrides (then args.overrides), its output in
+    `<run_dir>.launch.log`; (exit code or None past args.timeout_s, wall seconds). The launcher is stopped at the
+    end either way. Shared by the benchmarks that compare toy runs."""
     cmd = [
         "bash",
         str(ROOT / "launch.sh"),
@@ -49,20 +51,29 @@ def run_one(args: argparse.Namespace, out: Path, staleness: int, gate: str) -> d
         "--config",
         args.config,
         f"trainer.output_dir={run_dir}",
-        f"rollout.max_staleness={staleness}",
-        f"publish.gate={gate}",
-        f"rollout.num_steps={args.steps}",
+        *overrides,
         *args.overrides,
     ]
     started = time.monotonic()
-    with (out / f"{run_dir.name}.launch.log").open("w") as log:
+    with run_dir.with_suffix(".launch.log").open("w") as log:
         launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
-            code = launcher.wait(timeout=args.timeout_s)
+            code: int | None = launcher.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
             code = None
         finally:
             stop_child(launcher, 120)
+    return code, time.monotonic() - started
+
+
+def run_one(args: argparse.Namespace, out: Path, staleness: int, gate: str) -> dict[str, Any]:
+    run_dir = out / f"staleness{staleness}-gate-{gate}"
+    overrides = [
+        f"rollout.max_staleness={staleness}",
+        f"publish.gate={gate}",
+        f"rollout.num_steps={args.steps}",
+    ]
+    code, wall_s = launch_toy(args, run_dir, *overrides)
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
     whole = summarize(rows)
@@ -72,7 +83,7 @@ def run_one(args: argparse.Namespace, out: Path, staleness: int, gate: str) -> d
         "max_staleness": staleness,
         "gate": gate,
         "launcher_exit_code": code,
-        "launch_wall_s": time.monotonic() - started,
+        "launch_wall_s": wall_s,
         "steps": whole["steps"],
         "updates": whole["updates"],
         "stale_fraction": whole["stale_fraction"],

@@ -5,7 +5,11 @@ Per client count: training tokens/s (each client runs `--rounds` of forward_back
 optim_step on its own batch, all clients at once) and sampled tokens/s (each client samples `--prompts` prompts x
 `--samples` completions of `--max-tokens` from its own snapshot, all at once). Per-call overhead: the SDK's round
 trip of one forward_backward against the seconds the same call spent in the training backend inside the service
-(its metrics.jsonl row), one client alone. Prints one JSON. Must not be a test: timings are the machine's.
+(its metrics.jsonl row), one client alone. Prefill: one RL step's sampling (`--prompts` fresh prompts of
+`--prompt-tokens` x `--samples`), once as the cookbook samples (one call per prompt, num_samples=N) and once as N
+calls of one sample each; for each, the prompt tokens vLLM received against those it computed (its own /metrics
+counters: vLLM shares a prompt's cached KV blocks between the samples, a partial last block excepted).
+Prints one JSON. Must not be a test: timings are the machine's.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import argparse
 import json
 import platform
 import random
+import secrets
+import socket
 import statistics
 import subprocess
 import sys
@@ -40,13 +46,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=8, help="num_samples per call")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens per sample (stop=[]: exactly this)")
     p.add_argument("--repeats", type=int, default=3, help="measurements per client count (medians reported)")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=200, help="tokens per prompt in the prefill measurement"
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides for the service's run config")
     return p.parse_args(argv)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def start(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen[str], str]:
     argv = [sys.executable, "-m", "trainer.orchestration.service_launch", "--config", args.config]
-    argv += ["service.port=0", f"service.output_dir={out}", "service.max_clients=64", *args.overrides]
+    argv += ["service.port=0", f"service.output_dir={out}", "service.max_clients=64"]
+    # vLLM on a known port and key, so that the prefill measurement can read its /metrics
+    argv += [
+        f"inference.vllm.port={args.vllm_port}",
+        f"inference.vllm.api_key={args.vllm_key}",
+        *args.overrides,
+    ]
     proc = subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=(out / "launch.log").open("w"), text=True
     )
@@ -150,8 +171,69 @@ def overhead(tinker: Any, url: str, args: argparse.Namespace, out: Path) -> dict
     }
 
 
+PREFILL_COUNTERS = {
+    "received": "vllm:prompt_tokens_total",
+    "computed": "vllm:request_prefill_kv_computed_tokens_sum",
+}
+
+
+def vllm_counters(args: argparse.Namespace) -> dict[str, float]:
+    """vLLM's prompt-token counters, summed over their label sets."""
+    import httpx
+
+    r = httpx.get(
+        f"http://127.0.0.1:{args.vllm_port}/metrics",
+        headers={"Authorization": f"Bearer {args.vllm_key}"},
+        timeout=30,
+    )
+    r.raise_for_status()
+    totals = dict.fromkeys(PREFILL_COUNTERS, 0.0)
+    for line in r.text.splitlines():
+        for key, name in PREFILL_COUNTERS.items():
+            if line.startswith((name + "{", name + " ")):
+                totals[key] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def prefill(tinker: Any, url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One RL step's sampling, P fresh prompts x N samples, in the two ways a client may ask for it."""
+    types = tinker.types
+    tc = (
+        tinker.ServiceClient(base_url=url, api_key="tml-bench")
+        .create_lora_training_client(base_model=args.base, rank=8, seed=7)
+        .result()
+    )
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=args.max_tokens, stop=[])
+    sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, params).result()  # loads the adapter
+    rng = random.Random(1234)
+    P, N, L = args.prompts, args.samples, args.prompt_tokens
+    styles: dict[str, Any] = {}
+    for style, calls_per_prompt, n in (("one_call_per_prompt", 1, N), ("one_call_per_sample", N, 1)):
+        prompts = [[rng.randrange(3, args.vocab) for _ in range(L)] for _ in range(P)]
+        before = vllm_counters(args)
+        t0 = time.perf_counter()
+        futures = [
+            sampler.sample(types.ModelInput.from_ints(p), n, params)
+            for p in prompts
+            for _ in range(calls_per_prompt)
+        ]
+        sampled = sum(len(s.tokens) for f in futures for s in f.result().sequences)
+        seconds = time.perf_counter() - t0
+        after = vllm_counters(args)
+        computed = after["computed"] - before["computed"]
+        styles[style] = {
+            "prompt_tokens_received": after["received"] - before["received"],
+            "prefill_tokens_computed": computed,
+            "computed_in_prompts_worth": round(computed / (P * L), 3),
+            "sampled_tokens_per_s": round(sampled / seconds, 1),
+        }
+    return {"prompts": P, "samples": N, "prompt_tokens": L, "one_prefill_per_prompt": P * L, **styles}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.vllm_port, args.vllm_key = free_port(), secrets.token_urlsafe(32)
     import tinker
 
     out = Path(tempfile.mkdtemp(prefix="service-bench-"))
@@ -168,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         args.vocab = min(len(tc.get_tokenizer()), 2**15)
         results = [measure(tinker, url, args, int(n)) for n in args.clients.split(",")]
         cost = overhead(tinker, url, args, out)
+        prefill_step = prefill(tinker, url, args)
     finally:
         stop_child(proc, 60)
     print(
@@ -180,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                 "per_client_count": results,
                 "repeats": args.repeats,
                 "overhead": cost,
+                "prefill": prefill_step,
                 "output_dir": str(out),
             },
             indent=2,

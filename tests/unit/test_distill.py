@@ -1,5 +1,6 @@
 """On-policy distillation: the advantages (trainer/training/distill.py) and the teacher's logprobs of the student's
-tokens, scored by a teacher adapter loaded beside the trained one in the local backend."""
+tokens, scored in the local backend by a teacher adapter loaded beside the trained one or by a teacher model of its
+own; the pre-flight check of a teacher model's tokenizer and its place in the memory plan."""
 
 from __future__ import annotations
 
@@ -146,8 +147,11 @@ def test_the_teacher_is_a_peft_folder_or_a_run_folders_newest_adapter_and_local_
     for v in (2, 10):
         adapter_dir(tmp_path, v).mkdir(parents=True)
     assert resolve_teacher(str(tmp_path)) == str(adapter_dir(tmp_path, 10))
-    with pytest.raises(ConfigError, match="neither a PEFT adapter folder"):
+    with pytest.raises(ConfigError, match=r"a folder with neither adapter_config\.json"):
         resolve_teacher(str(tmp_path / "adapters"))
+    with pytest.raises(ConfigError, match="no such folder"):
+        resolve_teacher(str(tmp_path / "typo"))
+    assert resolve_teacher("meta-llama/Llama-3.1-70B-Instruct") == "meta-llama/Llama-3.1-70B-Instruct"
     with pytest.raises(ValueError, match="the teacher is scored in the local trainer"):
         make_cfg(tmp_path, distill__teacher="x", launch__backend="tinker")
     with pytest.raises(ValueError, match="distillation runs in one trainer process"):
@@ -162,3 +166,121 @@ def test_distillation_trains_groups_whose_rewards_are_all_equal():
     assert len(kept.examples) == len(group["tokens"]) and all(
         a == 0 for e in kept.examples for a in e.advantages
     )
+
+
+@pytest.fixture(scope="module")
+def teacher_model_dir(tmp_path_factory, teacher_dir, tiny_model_path):
+    """The teacher adapter merged into a copy of the base and saved with the base's tokenizer: a model of its own
+    that must score every token as the adapter does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(teacher_dir)).merge_and_unload()
+    out = tmp_path_factory.mktemp("teacher-model")
+    merged.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(out)
+    return out
+
+
+def float64_logprobs(model_dir, examples) -> list[list[float]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    rows = []
+    with torch.no_grad():
+        for ex in examples:
+            logits = model(input_ids=torch.tensor([ex.input_ids])).logits[0]
+            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ex.target_ids)[:, None])[:, 0]
+            rows.append([float(v) if m else 0.0 for v, m in zip(lp, ex.loss_mask, strict=True)])
+    return rows
+
+
+def worst_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def test_a_teacher_model_scores_as_a_float64_forward_of_it_and_as_its_adapter_form(
+    tmp_path, examples, teacher_dir, teacher_model_dir
+):
+    from trainer.training.distill import resolve_teacher, teacher_kind
+
+    resolved = resolve_teacher(str(teacher_model_dir))
+    assert teacher_kind(resolved) == "model" and teacher_kind(str(teacher_dir)) == "adapter"
+    backend = LocalBackend(make_cfg(tmp_path))
+    student_before = lora_state(backend)
+    trained = [id(p) for p in backend.params]
+    backend.load_teacher(resolved)
+    got = backend.teacher_logprobs(examples)
+    assert worst_gap(got, float64_logprobs(teacher_model_dir, examples)) < 1e-4
+    assert worst_gap(got, reference_logprobs(teacher_dir, examples)) < 1e-4  # merged = adapter on the base
+    # The teacher is no part of what trains: frozen, outside the optimizer, the student's adapter untouched.
+    assert not any(p.requires_grad for p in backend.teacher_model.parameters())
+    assert [id(p) for p in backend.params] == trained
+    assert all(torch.equal(student_before[k], v) for k, v in lora_state(backend).items())
+    distilled, _ = distill_examples(examples, got, kl_coef=1.0, reward_coef=0.0)
+    backend.train_step(distilled, LossParams("importance_sampling"), "sum", adam_params(1e-2))
+    assert any(not torch.equal(student_before[k], v) for k, v in lora_state(backend).items())
+    assert worst_gap(backend.teacher_logprobs(examples), got) < 1e-6
+
+
+def test_a_teacher_model_with_another_vocabulary_is_refused_when_loaded(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.training.config import ConfigError
+
+    other = tmp_path / "other"
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+        )
+    ).save_pretrained(other)
+    backend = LocalBackend(make_cfg(tmp_path))
+    with pytest.raises(ConfigError, match="vocabulary of 100 tokens, the student 2048"):
+        backend.load_teacher(str(other))
+
+
+def test_preflight_refuses_a_teacher_whose_tokenizer_or_chat_template_differs(tmp_path, teacher_model_dir):
+    from trainer.backends.tiny_model import ensure_tiny_model
+    from trainer.orchestration.preflight import check_teacher_tokenizer
+
+    student = resolve_model_path("tiny")
+    assert check_teacher_tokenizer(student, str(teacher_model_dir)) == []
+    (problem,) = check_teacher_tokenizer(student, str(ensure_tiny_model(seed=1)))  # trained on another corpus
+    assert "its tokenizer differs from the student's (2048 tokens against 2048; e.g. " in problem, problem
+    templated = tmp_path / "templated"
+    templated.mkdir()
+    for f in teacher_model_dir.iterdir():
+        (templated / f.name).write_bytes(f.read_bytes())
+    tok_config = json.loads((templated / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    (templated / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    for f in templated.glob("chat_template.*"):
+        f.unlink()
+    (problem,) = check_teacher_tokenizer(student, str(templated))
+    assert "its chat template differs from the student's" in problem, problem
+
+
+def test_the_memory_plan_counts_a_teacher_models_weights():
+    from trainer.orchestration.memory_plan import ModelShape, build_memory_plan, load_model_config
+
+    config = load_model_config("tiny")
+    assert config is not None
+    cfg = make_cfg("/tmp/unused", distill__teacher="tiny")
+    without = build_memory_plan(cfg, config, None, None, on_cuda=False)
+    plan = build_memory_plan(cfg, config, None, None, on_cuda=False, teacher_config=config)
+    part = next(p for p in plan.trainer.parts if p.name.startswith("teacher model weights"))
+    assert part.bytes == ModelShape.from_config(config).parameter_count() * 4  # float32 on CPU
+    assert plan.trainer.total == without.trainer.total + part.bytes
+
+
+def test_launch_preflight_fetches_a_teacher_model_and_refuses_another_tokenizer(tmp_path):
+    from trainer.backends.tiny_model import ensure_tiny_model
+    from trainer.orchestration.launcher import preflight
+    from trainer.training.config import ConfigError
+
+    cfg = make_cfg(tmp_path, distill__teacher="tiny")  # a model named like model.path: found (or fetched) alike
+    assert preflight(cfg) == cfg.distill.teacher == resolve_model_path("tiny")
+    cfg = make_cfg(tmp_path, distill__teacher=str(ensure_tiny_model(seed=1)))
+    with pytest.raises(ConfigError, match="its tokenizer differs from the student's"):
+        preflight(cfg)

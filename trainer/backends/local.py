@@ -32,7 +32,8 @@ from trainer.backends.collectives import (
 from trainer.training.backend import AdamParams, ForwardBackwardResult
 from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
 from trainer.training.checkpoints import failpoint, fsync_path
-from trainer.training.config import RunConfig
+from trainer.training.config import ConfigError, RunConfig
+from trainer.training.distill import teacher_kind
 from trainer.training.logprobs import compute_token_logprobs, top_logprobs
 from trainer.training.losses import (
     LossInputs,
@@ -183,18 +184,39 @@ class TokenLogprobs(torch.nn.Module):
         mask_BT: torch.Tensor,
         temperature_B: torch.Tensor | None,
     ) -> torch.Tensor:
-        causal_lm = self.peft_model.get_base_model()
-        hidden_BTH = causal_lm.get_decoder()(
-            input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
-        ).last_hidden_state
-        return compute_token_logprobs(
-            causal_lm.get_output_embeddings(),
-            hidden_BTH,
+        return causal_lm_logprobs(
+            self.peft_model.get_base_model(),
+            input_ids_BT,
+            attention_mask_BT,
             target_ids_BT,
-            mask_BT != 0,
+            mask_BT,
             temperature_B,
             self.chunk_tokens,
         )
+
+
+def causal_lm_logprobs(
+    causal_lm: Any,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    target_ids_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    temperature_B: torch.Tensor | None,
+    chunk_tokens: int,
+) -> torch.Tensor:
+    """Token logprobs of a padded batch under a transformers causal LM (the student's base with its active adapter,
+    or a teacher model): the decoder's hidden states, then the head in chunks (never the whole [B, T, V] logits)."""
+    hidden_BTH = causal_lm.get_decoder()(
+        input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
+    ).last_hidden_state
+    return compute_token_logprobs(
+        causal_lm.get_output_embeddings(),
+        hidden_BTH,
+        target_ids_BT,
+        mask_BT != 0,
+        temperature_B,
+        chunk_tokens,
+    )
 
 
 class LocalBackend:
@@ -218,6 +240,7 @@ class LocalBackend:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, fused=self.device.type == "cuda")
         self._step = 0
+        self.teacher_model: Any = None  # distillation from a model of its own (load_teacher)
         self.output_dir = Path(cfg.trainer.output_dir)
         _seed_everything(cfg.lora.seed)
 
@@ -347,10 +370,16 @@ class LocalBackend:
 
     # --- distillation ---------------------------------------------------------------------------------------
 
-    def load_teacher(self, adapter_path: str) -> None:
-        """A teacher for on-policy distillation: a PEFT adapter on this model's base, loaded beside the trained
-        adapter (only the base's memory is shared; the teacher's own LoRA weights are frozen)."""
+    def load_teacher(self, path: str) -> None:
+        """A teacher for on-policy distillation (trainer.training.distill.resolve_teacher's answer): a PEFT adapter
+        on this model's base, loaded beside the trained adapter (only the base's memory is shared; the teacher's own
+        LoRA weights are frozen), or a model of its own in the trainer's dtype and device, frozen."""
+        if teacher_kind(path) == "model":
+            self._load_teacher_model(path)
+            return
         from peft import PeftConfig
+
+        adapter_path = path
 
         found = PeftConfig.from_pretrained(adapter_path)
         base = resolve_model_path(self.cfg.model.path)
@@ -366,32 +395,55 @@ class LocalBackend:
         if [id(p) for p in self.model.parameters() if p.requires_grad] != [id(p) for p in self.params]:
             raise RuntimeError("loading the teacher adapter changed which parameters train")
 
+    def _load_teacher_model(self, path: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        dtype = resolve_dtype(self.cfg.model.dtype, self.device)
+        teacher: Any = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=dtype)
+        teacher.to(self.device)
+        teacher.eval().requires_grad_(False)
+        vocab = int(teacher.get_output_embeddings().weight.shape[0])
+        # pre-flight compares the tokenizers; this guards a trainer started by hand
+        if vocab != self.vocab_size:
+            raise ConfigError(
+                f"distill.teacher={path!r} has a vocabulary of {vocab} tokens, the student {self.vocab_size}: the "
+                "teacher scores the student's token ids, so both must share one tokenizer"
+            )
+        self.teacher_model = teacher
+
     @torch.no_grad()
     def teacher_logprobs(self, examples: Sequence[TrainingExample]) -> list[list[float]]:
         """The teacher's log p(target_t | prefix) of every trained token of `examples` (0.0 elsewhere), by a forward
-        of the base with the teacher adapter active, in the trainer's micro-batches; raw logits (temperature 1)."""
+        of the teacher model, or of the base with the teacher adapter active, in the trainer's micro-batches; raw
+        logits (temperature 1)."""
         out: list[list[float]] = [[] for _ in examples]
         plans = plan_micro_batches([len(e) for e in examples], self.cfg.trainer.micro_batch_tokens)
-        self.model.eval()
-        self.model.set_adapter(TEACHER)
+        causal_lm = self.teacher_model
+        if causal_lm is None:
+            self.model.eval()
+            self.model.set_adapter(TEACHER)
+            causal_lm = self.model.get_base_model()
         try:
             for plan in plans:
                 batch = {
                     k: v.to(self.device) for k, v in examples_to_tensors([examples[i] for i in plan]).items()
                 }
-                lp_BT = TokenLogprobs(self.model, self.cfg.trainer.logprob_chunk_tokens)(
+                lp_BT = causal_lm_logprobs(
+                    causal_lm,
                     batch["input_ids_BT"],
                     batch["attention_mask_BT"],
                     batch["target_ids_BT"],
                     batch["mask_BT"],
                     None,
+                    self.cfg.trainer.logprob_chunk_tokens,
                 ).cpu()
                 for row, i in enumerate(plan):
                     out[i] = lp_BT[row, : len(examples[i])].tolist()
         finally:
-            self.model.set_adapter(
-                STUDENT
-            )  # PEFT makes the active adapter trainable again, the teacher frozen
+            if (
+                self.teacher_model is None
+            ):  # PEFT makes the active adapter trainable again, the teacher frozen
+                self.model.set_adapter(STUDENT)
         return out
 
     # --- publish verification -------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ def compute_activation_bytes(
 
 
 def build_trainer_plan(
-    shape: ModelShape, cfg: RunConfig, on_cuda: bool
+    shape: ModelShape, cfg: RunConfig, on_cuda: bool, teacher: ModelShape | None = None
 ) -> tuple[ProcessPlan, dict[str, int]]:
     """The trainer's peak on one rank, part by part; also the activation peak with checkpointing on and off."""
     dtype = trainer_dtype(cfg, on_cuda)
@@ -260,6 +260,12 @@ def build_trainer_plan(
     plan.add("LoRA parameters (float32)", lora_params * 4, f"rank {cfg.lora.rank}")
     plan.add("LoRA gradients (float32)", lora_params * 4)
     plan.add("Adam moments (2 x float32)", 2 * lora_params * 4 + 4 * lora_tensors)
+    if teacher is not None:
+        plan.add(
+            f"teacher model weights ({dtype})",
+            teacher.parameter_count() * b,
+            "distill.teacher, frozen; its no-grad forward runs before the step's, with fewer activations",
+        )
     if cfg.distributed.world_size > 1:
         plan.add("DDP gradient buckets", lora_params * 4)
     on = cfg.model.gradient_checkpointing
@@ -468,9 +474,11 @@ def build_memory_plan(
     gateway: dict[str, Any] | None,
     gpu_bytes: int | None,
     on_cuda: bool,
+    teacher_config: dict[str, Any] | None = None,
 ) -> MemoryPlan:
     shape = ModelShape.from_config(model_config)
-    trainer, activations = build_trainer_plan(shape, cfg, on_cuda)
+    teacher = ModelShape.from_config(teacher_config) if teacher_config is not None else None
+    trainer, activations = build_trainer_plan(shape, cfg, on_cuda, teacher)
     vllm: ProcessPlan | None = None
     facts: dict[str, int] = {}
     shared = 0

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from trainer.training.config import ConfigError, RunConfig
+from trainer.training.distill import teacher_kind
 
 HUB_URL = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*"]
@@ -69,8 +70,10 @@ def gb(nbytes: float) -> str:
     return f"{nbytes / 1e3:.2f} kB"
 
 
-def model_key(path: str, tokenizer_only: bool) -> tuple[str, str]:
+def model_key(path: str, tokenizer_only: bool, setting: str | None = None) -> tuple[str, str]:
     """How a message names the setting (and the key that replaces it with a folder)."""
+    if setting is not None:  # another model than the run's own, e.g. distill.teacher
+        return f"{setting}={path!r}", setting
     if tokenizer_only:  # Tinker holds the weights: only the tokenizer is read here
         return f"the tokenizer of {path!r} (tinker.tokenizer, default model.path)", "tinker.tokenizer"
     return f"model.path={path!r}", "model.path"
@@ -112,7 +115,7 @@ def cached_model(repo_id: str, tokenizer_only: bool) -> str | None:
     return None if missing_files(Path(folder), tokenizer_only) else str(folder)
 
 
-def find_model(path: str, tokenizer_only: bool = False) -> str | ModelDownload:
+def find_model(path: str, tokenizer_only: bool = False, setting: str | None = None) -> str | ModelDownload:
     """A local folder for the model (building the tiny one if asked), or what must be downloaded for it.
     With `tokenizer_only` (the Tinker backend, whose weights stay remote) a folder holding a tokenizer is enough.
     Raises ConfigError for what no download can fix: a gated model without access, an unknown id, no disk, no
@@ -122,7 +125,7 @@ def find_model(path: str, tokenizer_only: bool = False) -> str | ModelDownload:
         from trainer.backends.tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model())
-    where, key = model_key(path, tokenizer_only)
+    where, key = model_key(path, tokenizer_only, setting)
     if Path(path).is_dir():
         needed = "tokenizer_config.json" if tokenizer_only else "config.json"
         if not (Path(path) / needed).is_file():
@@ -267,9 +270,9 @@ def download_model(plan: ModelDownload) -> str:
     return str(folder)
 
 
-def check_model(path: str, tokenizer_only: bool = False) -> str:
+def check_model(path: str, tokenizer_only: bool = False, setting: str | None = None) -> str:
     """A local folder for the model: as given, from the Hugging Face cache, or downloaded now. Never a hub id."""
-    found = find_model(path, tokenizer_only)
+    found = find_model(path, tokenizer_only, setting)
     return found if isinstance(found, str) else download_model(found)
 
 
@@ -334,6 +337,30 @@ def fetch_model_config(repo_id: str) -> dict[str, Any] | None:
         return None
 
 
+def check_teacher_tokenizer(student: str, teacher: str) -> list[str]:
+    """A teacher scores the student's token ids, so both must read ids the same way: the same vocabulary (ids and
+    the strings they stand for) and, where either has one, the same chat template (the same prompt, tokenized alike).
+    The reasons a teacher model is refused, or none."""
+    from transformers import AutoTokenizer
+
+    s, t = AutoTokenizer.from_pretrained(student), AutoTokenizer.from_pretrained(teacher)
+    problems = []
+    sv, tv = s.get_vocab(), t.get_vocab()
+    if sv != tv:
+        differ = sorted(set(sv.items()) ^ set(tv.items()), key=lambda kv: kv[1])[:3]
+        problems.append(
+            f"distill.teacher={teacher!r}: its tokenizer differs from the student's ({len(tv)} tokens against "
+            f"{len(sv)}; e.g. {', '.join(f'{k!r}={v}' for k, v in differ)}): the teacher scores the student's token "
+            "ids, so both must share one tokenizer; choose a teacher of the student's model family"
+        )
+    if (s.chat_template or None) != (t.chat_template or None):
+        problems.append(
+            f"distill.teacher={teacher!r}: its chat template differs from the student's, so a prompt would read "
+            "differently to it; choose a teacher with the student's template"
+        )
+    return problems
+
+
 def plan_memory(
     cfg: RunConfig, model_path: str, gateway: dict[str, Any] | None, dry_run: bool
 ) -> tuple[list[str], list[str]]:
@@ -357,13 +384,23 @@ def plan_memory(
             f"memory plan: no config.json for model.path={model_path!r} here (not a folder, not in the Hugging Face "
             "cache); download the model (or point model.path at its folder) to see the plan"
         ], []
+    teacher_config, notes = None, []
+    if cfg.distill.teacher is not None and teacher_kind(cfg.distill.teacher) == "model":
+        teacher_config = load_model_config(cfg.distill.teacher)
+        if teacher_config is None and hub_reachable():
+            teacher_config = fetch_model_config(cfg.distill.teacher)
+        if teacher_config is None:
+            notes.append(
+                f"memory plan: no config.json for distill.teacher={cfg.distill.teacher!r} here: the teacher's "
+                "weights are not counted below"
+            )
     probed = probe_gpu_memory() if cfg.model.device != "cpu" else None
     on_cuda = cfg.model.device == "cuda" or (cfg.model.device == "auto" and (probed is not None or dry_run))
     stated = cfg.launch.gpu_memory_gib
     gpu_bytes = int(stated * GiB) if stated is not None else (probed[0] if probed else None)
     source = "launch.gpu_memory_gib" if stated is not None else "read from the device"
-    plan = build_memory_plan(cfg, model_config, gateway, gpu_bytes, on_cuda)
-    lines = format_plan(plan, source)
+    plan = build_memory_plan(cfg, model_config, gateway, gpu_bytes, on_cuda, teacher_config)
+    lines = notes + format_plan(plan, source)
     problems = check_fit(plan, cfg, gateway)
     if probed is not None and not problems:
         need = plan.trainer.total + plan.shared_replicas * plan.vllm_facts.get("share", 0)

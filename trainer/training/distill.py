@@ -14,26 +14,40 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 from trainer.training.batch import TrainingExample
 from trainer.training.checkpoints import VERSION_DIR
 from trainer.training.config import ConfigError
 
+TeacherKind = Literal["adapter", "model"]
+
 
 def resolve_teacher(path: str) -> str:
-    """distill.teacher as an adapter folder: a PEFT folder as given, or a run folder's newest adapter."""
-    folder = Path(path).expanduser().resolve()
+    """distill.teacher as what the trainer loads: a PEFT adapter folder as given, a run folder's newest adapter, or
+    anything else as a whole model (a folder with config.json, `tiny`, or a hub id the launcher fetches like
+    model.path)."""
+    folder = Path(path).expanduser()
     if (folder / "adapter_config.json").is_file():
-        return str(folder)
+        return str(folder.resolve())
     versions = [
         (int(m.group(1)), p) for p in (folder / "adapters").glob("v*") if (m := VERSION_DIR.match(p.name))
     ]
     if versions:
-        return str(max(versions)[1])
-    raise ConfigError(
-        f"distill.teacher={path!r} is neither a PEFT adapter folder (no adapter_config.json) nor a run folder with "
-        "adapters/vN: train a teacher first (e.g. bash launch.sh toy) and pass its run folder"
-    )
+        return str(max(versions)[1].resolve())
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"distill.teacher={path!r} is a folder with neither adapter_config.json (a PEFT adapter), adapters/vN (a "
+            "run folder) nor config.json (a model): pass a teacher run's folder, an adapter folder or a model"
+        )
+    if not folder.exists() and path.startswith(("/", ".", "~")):
+        raise ConfigError(f"distill.teacher={path!r}: no such folder (a hub id has no leading / . or ~)")
+    return path if not folder.is_dir() else str(folder.resolve())
+
+
+def teacher_kind(resolved: str) -> TeacherKind:
+    """What resolve_teacher's answer names: a LoRA adapter on the student's base, or a model of its own."""
+    return "adapter" if (Path(resolved) / "adapter_config.json").is_file() else "model"
 
 
 def distill_examples(

@@ -204,7 +204,7 @@ def test_every_loss_runs_through_the_sdk(service, loss):
 def test_refusals_reach_the_sdk_as_errors_and_the_client_goes_on(service):
     url, _ = service
     tc = client(url).create_lora_training_client(base_model="tiny", rank=4).result()
-    with pytest.raises(tinker.RequestFailedError, match="not supported here"):
+    with pytest.raises(tinker.RequestFailedError, match="'stable_reinforce' needs provenance"):
         tc.forward_backward(BATCH, "stable_reinforce").result()
     bad_shape = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3]}

@@ -134,9 +134,9 @@ def test_gspo_decodes_its_sequence_ratio_mask_and_clip_config():
             r"'sequence_ratio_mask'\] holds NaN or inf",
         ),
         (
-            [rl_datum(sequence_ratio_mask=[1.0] * 5)],
+            [rl_datum()],
             "stable_reinforce",
-            "loss_fn 'stable_reinforce' is not supported",
+            r"data\[0\]: loss_fn 'stable_reinforce' needs provenance",
         ),
     ],
 )

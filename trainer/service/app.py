@@ -33,8 +33,16 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from trainer.service.checkpoints import Catalog, install, parse_save_options, parse_user_metadata
 from trainer.service.policies import LoraSpec, MultiLora
-from trainer.service.sampling import GatewaySampler, SampleCall, decode_sample, encode_sample
+from trainer.service.sampling import (
+    GatewaySampler,
+    SampleCall,
+    StabilityRecords,
+    decode_sample,
+    encode_sample,
+    sequence_ids,
+)
 from trainer.service.wire import (
     ForwardBackwardCall,
     UserError,
@@ -98,6 +106,7 @@ class Service:
         self.cfg = cfg
         self.policies = policies
         self.root = Path(cfg.service.output_dir)
+        self.catalog = Catalog(self.root)  # training runs and checkpoints, read back from disk
         self.futures: dict[str, asyncio.Future[Result]] = {}
         self.order: dict[str, Ordered] = {}
         self.models: dict[str, str] = {}  # model id -> adapter name
@@ -114,6 +123,8 @@ class Service:
         self.instance = secrets.token_hex(4)  # gateway adapter names stay unique across service restarts
         self.adapter_names = itertools.count()
         self.snapshot_names = itertools.count()
+        # what the samplers created with record_stability_info sampled, for stable_reinforce
+        self.stability = StabilityRecords()
         self.sampler = (
             None
             if cfg.service.gateway_url is None
@@ -246,6 +257,7 @@ class Service:
         # Copies first: the training thread registers samplers (save_weights_and_get_sampling_client) meanwhile.
         for sampler_id in [s for s in list(self.samplers) if s.startswith(prefix)]:
             self.samplers.pop(sampler_id)
+        self.stability.forget(prefix)
         for model_id in [m for m in list(self.snapshots) if m.startswith(prefix)]:
             for old in self.snapshots.pop(model_id):
                 await self.delete_snapshot(old)
@@ -279,11 +291,14 @@ class Service:
             "lora_rank": self.policies.clients[name].spec.rank,
         }
 
-    def create_model(self, model_id: str, base_model: str, lora: dict[str, Any]) -> Result:
+    def create_model(
+        self, model_id: str, base_model: str, lora: dict[str, Any], user_metadata: Any = None
+    ) -> Result:
         if base_model not in (self.cfg.model.path, self.policies.model_path):
             raise UserError(f"this service trains {self.cfg.model.path!r}, not {base_model!r}")
         if model_id in self.models:
             return Result({"model_id": model_id})  # a retried create
+        metadata = parse_user_metadata(user_metadata, "create_model")
         if len(self.models) >= self.cfg.service.max_clients:
             raise UserError(
                 f"service.max_clients={self.cfg.service.max_clients} training clients exist already"
@@ -305,6 +320,7 @@ class Service:
             raise UserError(str(exc)) from None
         self.models[model_id] = name
         self.order.setdefault(model_id, Ordered())
+        self.catalog.open_run(model_id, self.root / safe_name(model_id), base_model, spec.__dict__, metadata)
         self.record(model_id, {"call": "create_model", **spec.__dict__})
         log.info("training client %s: LoRA rank %d (%s)", model_id, rank, ", ".join(spec.targets()))
         return Result({"model_id": model_id})
@@ -379,17 +395,20 @@ class Service:
             raise UserError(f"no saved state at {path} ({folder} has none)")
         return folder
 
-    def save_state(self, model_id: str, name: str) -> Result:
+    def save_state(self, model_id: str, name: str, body: dict[str, Any]) -> Result:
         adapter = self.model_name(model_id)
         folder = self.state_folder(model_id, "weights", name)
+        options = parse_save_options(body, "save_state")
         self.policies.save_state(adapter, folder)
+        self.catalog.saved(model_id, "weights", name, options)
         self.record(model_id, {"call": "save_state", "path": str(folder)})
         return Result({"path": f"{TINKER_SCHEME}{model_id}/weights/{name}"})
 
-    def load_state(self, model_id: str, path: str, optimizer: bool) -> Result:
+    def load_state(self, model_id: str, path: str, optimizer: bool, user_metadata: Any = None) -> Result:
         folder = self.resolve(path)
         if model_id not in self.models:  # create_training_client_from_state: a new client from the state
-            self.create_model(model_id, self.cfg.model.path, {**self.policies.read_spec(folder).__dict__})
+            spec = {**self.policies.read_spec(folder).__dict__}
+            self.create_model(model_id, self.cfg.model.path, spec, user_metadata)
         try:
             self.policies.load_state(self.models[model_id], folder, optimizer)
         except ValueError as exc:
@@ -397,7 +416,9 @@ class Service:
         self.record(model_id, {"call": "load_state", "path": path, "optimizer": optimizer})
         return Result({"path": path, "model_id": model_id})
 
-    def save_for_sampler(self, model_id: str, name: str | None, session_seq: int | None) -> Result:
+    def save_for_sampler(
+        self, model_id: str, name: str | None, session_seq: int | None, body: dict[str, Any]
+    ) -> Result:
         """A PEFT folder of the client's adapter: named (persistent, tinker://.../sampler_weights/NAME), or an unnamed
         snapshot for save_weights_and_get_sampling_client, answered with its sampling session."""
         adapter = self.model_name(model_id)
@@ -415,7 +436,10 @@ class Service:
         folder = self.state_folder(model_id, "sampler_weights", name)
         if folder.exists():
             raise UserError(f"sampler weights {name!r} exist already for {model_id}: pick another name")
+        options = parse_save_options(body, "save_weights_for_sampler")
         self.policies.save_for_sampler(adapter, folder)
+        if not snapshot:
+            self.catalog.saved(model_id, "sampler_weights", name, options)
         path = f"{TINKER_SCHEME}{model_id}/sampler_weights/{name}"
         self.record(model_id, {"call": "save_weights_for_sampler", "path": str(folder)})
         if not snapshot:
@@ -518,6 +542,9 @@ class Service:
         adapter = None if spec.adapter is None else (spec.adapter, str(spec.folder))
         samples = await gateway.sample(adapter, call.body)
         answer = encode_sample(call, samples)
+        if call.record_stability:
+            ids = sequence_ids(sampler_id, body.get("seq_id"), call.num_samples)
+            self.stability.record(ids, call.prompt, samples)
         self.record(
             spec.model_id or "base",
             {
@@ -585,6 +612,7 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
 
     for routes in (server_routes, session_routes, training_routes, weights_routes, sampling_routes):
         app.include_router(routes(service))
+    install(app, service)  # training runs and checkpoints over REST (trainer/service/checkpoints.py)
     return app
 
 
@@ -621,7 +649,8 @@ def session_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/create_session")
     async def create_session() -> dict[str, str]:
-        session_id = f"sess-{next(service.sessions)}"
+        # the instance token keeps run ids (and their folders) of an earlier service apart from this one's
+        session_id = f"sess-{service.instance}-{next(service.sessions)}"
         service.beats[session_id] = time.monotonic()
         service.start_reaper()
         return {"session_id": session_id}
@@ -660,7 +689,10 @@ def training_routes(service: Service) -> APIRouter:
         if not isinstance(lora, dict):
             raise UserError(f"'lora_config' must be an object, got {lora!r}")
         service.order.setdefault(model_id, Ordered())
-        return {"request_id": service.submit(lambda: service.create_model(model_id, str(base), lora))}
+        metadata = body.get("user_metadata")
+        return {
+            "request_id": service.submit(lambda: service.create_model(model_id, str(base), lora, metadata))
+        }
 
     @router.post(f"{API}/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
@@ -670,7 +702,9 @@ def training_routes(service: Service) -> APIRouter:
     async def forward_backward(request: Request) -> dict[str, str]:
         if request.headers.get("content-encoding") == "zstd":
             raise UserError("zstd-compressed bodies are not accepted (this service never asks for them)")
-        model_id, seq_id, _, call = decode_forward_backward(await request.body(), service.policies.vocab_size)
+        model_id, seq_id, _, call = decode_forward_backward(
+            await request.body(), service.policies.vocab_size, service.stability.get
+        )
 
         def work() -> Result:
             if isinstance(call, UserError):
@@ -702,7 +736,9 @@ def weights_routes(service: Service) -> APIRouter:
     async def save_weights(request: Request) -> dict[str, str]:
         body = await _json(request)
         (model_id, seq_id), name = _call_of(body), _field(body, "path", str)
-        return {"request_id": service.submit(lambda: service.save_state(model_id, name), model_id, seq_id)}
+        return {
+            "request_id": service.submit(lambda: service.save_state(model_id, name, body), model_id, seq_id)
+        }
 
     @router.post(f"{API}/load_weights")
     async def load_weights(request: Request) -> dict[str, str]:
@@ -714,7 +750,8 @@ def weights_routes(service: Service) -> APIRouter:
             return {"request_id": loaded}
         new_id = _new_model_id(body)
         service.order.setdefault(new_id, Ordered())
-        return {"request_id": service.submit(lambda: service.load_state(new_id, path, optimizer))}
+        metadata = body.get("user_metadata")
+        return {"request_id": service.submit(lambda: service.load_state(new_id, path, optimizer, metadata))}
 
     @router.post(f"{API}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, str]:
@@ -722,7 +759,7 @@ def weights_routes(service: Service) -> APIRouter:
         (model_id, seq_id), name = _call_of(body), body.get("path")
         session_seq = body.get("sampling_session_seq_id")
         request_id = service.submit(
-            lambda: service.save_for_sampler(model_id, name, session_seq), model_id, seq_id
+            lambda: service.save_for_sampler(model_id, name, session_seq, body), model_id, seq_id
         )
         if not name:  # an unnamed snapshot: older ones go once it is saved
             service.drop_old_snapshots_after(request_id, model_id)
@@ -752,7 +789,7 @@ def sampling_routes(service: Service) -> APIRouter:
         sampler_id = _field(body, "sampling_session_id", str)
         n = body.get("num_samples", 1)
         count = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 1024 else 1
-        ids = [f"{sampler_id}:{body.get('seq_id')}:{i}" for i in range(count)]
+        ids = sequence_ids(sampler_id, body.get("seq_id"), count)
         return {"request_id": service.submit_async(lambda: service.sample(body)), "sample_sequence_ids": ids}
 
     return router

@@ -1,10 +1,13 @@
 """The sampling half of the Tinker-protocol service: the SDK's sample requests turned into the gateway's
 POST /adapters/generate, and its answers into the SDK's protobuf SampleResponse.
 
-decode_sample / encode_sample are pure (no I/O). GatewaySampler does the HTTP: each sampler adapter is loaded into
-the gateway's vLLM under a name of its own on first use, loaded again when the gateway answers that it does not
-hold it (it restarted), and unloaded when more than `keep_loaded` are loaded (least recently used first, never one
-with a request running). Must not touch the training clients' weights: sampler folders are written by the service.
+decode_sample / encode_sample are pure (no I/O). StabilityRecords keeps what a sampling client created with
+`record_stability_info=True` sampled, by sequence_id, for stable_reinforce to train on: the prompt, the sampled tokens
+and the sampler's logprob of each, all of which vLLM answers anyway (nothing extra is asked of the gateway).
+GatewaySampler does the HTTP: each sampler adapter is loaded into the gateway's vLLM under a name of its own on first
+use, loaded again when the gateway answers that it does not hold it (it restarted), and unloaded when more than
+`keep_loaded` are loaded (least recently used first, never one with a request running). Must not touch the training
+clients' weights: sampler folders are written by the service.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +28,7 @@ from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_d
 from tinker.proto import tinker_public_pb2 as pb
 
 from inference.wire import NamedSampleResponse, Sample
-from trainer.service.wire import UserError
+from trainer.service.wire import SequenceRecord, UserError
 from trainer.training.retries import describe, is_transient
 
 log = logging.getLogger("trainer.service.sampling")
@@ -32,6 +37,10 @@ MAX_SAMPLES = 1024  # the gateway's bound on n
 MAX_TOP_K = 20  # vLLM's default --max-logprobs
 MASK_LOGPROB = -99999.0  # the SDK's empty top-k cell
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+# Tinker keeps a recorded sequence trainable for one day after its last use (sampling, or a training request that
+# names it); the token bound keeps a long run's records from growing without limit (least recently used go first).
+RECORD_TTL_S = 86400.0
+MAX_RECORDED_TOKENS = 32_000_000  # prompt + sampled tokens, about 300 MB of int32 ids and float32 logprobs
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class SampleCall:
     prompt_logprobs: bool
     top_k_prompt: int
     last_n: int | None
+    record_stability: bool = False  # keep each sequence for stable_reinforce (record_stability_info)
 
 
 def _prompt_tokens(prompt: Any, vocab_size: int) -> list[int]:
@@ -83,8 +93,6 @@ def _unsupported(body: dict[str, Any]) -> None:
     for key in ("prompt_alt_tokens_k", "topk_sample_logprobs"):
         if body.get(key):
             raise UserError(f"{key} is not supported by this service; send 0")
-    if body.get("record_stability_info"):
-        raise UserError("record_stability_info (StableReinforce) is not supported by this service")
 
 
 def _sampling(params: Any, prompt_len: int, context: int | None) -> dict[str, Any]:
@@ -162,7 +170,84 @@ def decode_sample(body: dict[str, Any], vocab_size: int, context: int | None) ->
     }
     if want_prompt:
         gateway_body["prompt_logprobs"] = top_k
-    return SampleCall(prompt, num_samples, gateway_body, bool(body.get("prompt_logprobs")), top_k, last_n)
+    record = body.get("record_stability_info")
+    if record is not None and not isinstance(record, bool):
+        raise UserError(f"record_stability_info must be true or false, got {record!r:.60}")
+    return SampleCall(
+        prompt, num_samples, gateway_body, bool(body.get("prompt_logprobs")), top_k, last_n, bool(record)
+    )
+
+
+def sequence_ids(sampling_session_id: str, seq_id: Any, count: int) -> list[str]:
+    """The ids the asample promise gives the request's sequences, in order; they begin with the session's id (the
+    sampling session's does), which is how a training request's provenance is kept within its session."""
+    return [f"{sampling_session_id}:{seq_id}:{i}" for i in range(count)]
+
+
+@dataclass
+class StabilityRecords:
+    """What the sampler recorded for stable_reinforce, by sequence_id. Lives on the event loop (sampling and the
+    decoding of training requests both run there): no lock."""
+
+    ttl_s: float = RECORD_TTL_S
+    max_tokens: int = MAX_RECORDED_TOKENS
+    clock: Callable[[], float] = time.monotonic
+    _records: OrderedDict[str, tuple[SequenceRecord, float]] = field(default_factory=OrderedDict)
+    _tokens: int = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def record(self, ids: list[str], prompt: list[int], samples: list[Sample]) -> None:
+        if len(ids) != len(samples):
+            raise RuntimeError(f"{len(ids)} sequence ids for {len(samples)} samples")
+        shared = np.asarray(prompt, np.int32)
+        now = self.clock()
+        for sequence_id, s in zip(ids, samples, strict=True):
+            if len(s.logprobs) != len(s.token_ids):
+                raise RuntimeError(
+                    f"the sampler answered {len(s.token_ids)} tokens with {len(s.logprobs)} logprobs"
+                )
+            self._drop(sequence_id)  # a retried request reuses its ids: the newest answer wins
+            entry = SequenceRecord(
+                shared, np.asarray(s.token_ids, np.int32), np.asarray(s.logprobs, np.float32)
+            )
+            self._records[sequence_id] = (entry, now)
+            self._tokens += _size(entry)
+        self._expire(now)
+
+    def get(self, sequence_id: str) -> SequenceRecord | None:
+        """The record, its day restarted; None when there is none (never recorded, expired, evicted, forgotten)."""
+        now = self.clock()
+        self._expire(now)
+        found = self._records.get(sequence_id)
+        if found is None:
+            return None
+        self._records[sequence_id] = (found[0], now)
+        self._records.move_to_end(sequence_id)
+        return found[0]
+
+    def forget(self, prefix: str) -> None:
+        """A finished session's records go with it."""
+        for sequence_id in [k for k in self._records if k.startswith(prefix)]:
+            self._drop(sequence_id)
+
+    def _drop(self, sequence_id: str) -> None:
+        old = self._records.pop(sequence_id, None)
+        if old is not None:
+            self._tokens -= _size(old[0])
+
+    def _expire(self, now: float) -> None:
+        # Least recently used first, so the oldest use is always at the front.
+        while self._records:
+            sequence_id, (_, used) = next(iter(self._records.items()))
+            if now - used <= self.ttl_s and self._tokens <= self.max_tokens:
+                return
+            self._drop(sequence_id)
+
+
+def _size(entry: SequenceRecord) -> int:
+    return len(entry.prompt) + len(entry.tokens)
 
 
 def _topk(rows: list[list[tuple[int, float]] | None], k: int) -> pb.TopkLogprobs:

@@ -3,11 +3,13 @@
 Pure conversion, no I/O. The message classes are the ones the SDK ships (`tinker.proto.tinker_public_pb2`): the wire
 types this service speaks. Every refusal is a UserError whose message names the datum, the field, the value seen
 and what to send instead; the service returns it in the SDK's error format (the SDK raises RequestFailedError).
+stable_reinforce's datums carry provenance (runs naming the sampled sequence behind each token); it is resolved here
+against the sampler's records, looked up through a callable so that this module stays free of the store and its I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +17,7 @@ import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
 from trainer.training.batch import TrainingExample
-from trainer.training.losses import RATIO_LOSSES, LossParams
+from trainer.training.losses import DEFAULT_KL_COEFF, RATIO_LOSSES, LossParams
 
 # Tinker's loss names this service computes (trainer.training.losses), and the loss_fn_config keys each takes.
 LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
@@ -26,6 +28,7 @@ LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
     "grpo": frozenset({"clip_low_threshold", "clip_high_threshold", "tis_cap"}),
     "dro": frozenset({"beta"}),
     "gspo": frozenset({"clip_low_threshold", "clip_high_threshold"}),
+    "stable_reinforce": frozenset({"kl_coeff"}),
 }
 INPUT_KEYS = frozenset({"target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask"})
 SAMPLER_LOSSES = RATIO_LOSSES | {"dro", "gspo"}  # the losses that read the sampler's logprobs
@@ -35,6 +38,34 @@ _DTYPES: dict[int, Any] = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int6
 
 class UserError(ValueError):
     """A request this service refuses: the caller's to fix."""
+
+
+@dataclass(frozen=True)
+class SequenceRecord:
+    """What the sampler recorded for one sampled sequence when asked to (`record_stability_info`): its request's
+    prompt, its sampled tokens and the sampler's logprob of each, as the sampler computed them. stable_reinforce
+    reads its sampler logprobs from here, not from the datum."""
+
+    prompt: np.ndarray  # int32, shared by the sequences of one request
+    tokens: np.ndarray  # int32
+    logprobs: np.ndarray  # float32
+
+
+# sequence_id -> its record (None: none here); a lookup counts as a use (it restarts the record's time to live)
+Records = Callable[[str], SequenceRecord | None]
+
+
+def _no_records(_: str) -> SequenceRecord | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """A datum's loss_fn_input_spans resolved against the records: which positions hold sampled tokens, and the
+    sampler's logprob of each (0 elsewhere)."""
+
+    sampled: np.ndarray  # bool [N]
+    sampler_logprobs: np.ndarray  # float32 [N]
 
 
 @dataclass(frozen=True)
@@ -167,12 +198,19 @@ def _loss_params(name: str, config: dict[str, float | str]) -> LossParams:
         if not isinstance(value, float):
             raise UserError(f"loss_fn_config[{key!r}] = {value!r}: a number is expected")
         numbers[key] = value
+    kl_coeff = numbers.get("kl_coeff", DEFAULT_KL_COEFF)
+    if not (np.isfinite(kl_coeff) and kl_coeff >= 0):
+        raise UserError(
+            f"loss_fn_config['kl_coeff'] = {kl_coeff!r}: send a finite number >= 0 (0 turns the KL penalty off; "
+            f"the default is {DEFAULT_KL_COEFF})"
+        )
     return LossParams(
         name=name,  # type: ignore[arg-type]
         clip_low_threshold=numbers.get("clip_low_threshold"),
         clip_high_threshold=numbers.get("clip_high_threshold"),
         beta=numbers.get("beta", LossParams().beta),
         tis_cap=numbers.get("tis_cap"),
+        kl_coeff=kl_coeff,
     )
 
 
@@ -183,6 +221,111 @@ def _config(request: pb.ForwardBackwardRequest) -> dict[str, float | str]:
     return config
 
 
+def session_of(some_id: str) -> str:
+    """The session a model id (SESSION:train:N) or a sequence id (SESSION:sample:N:SEQ:I) belongs to."""
+    return some_id.split(":", 1)[0]
+
+
+def _spans(datum: pb.Datum, field_name: str) -> list[tuple[str, str, int, int]]:
+    """(kind, sequence_id, offset, length) of each run, kind 'prompt' or 'sampled'."""
+    out = []
+    for span in getattr(datum, field_name):
+        kind = span.WhichOneof("span")
+        arm = span.prompt_tokens if kind == "prompt_tokens" else span.sampled_tokens
+        out.append(
+            ("prompt" if kind == "prompt_tokens" else "sampled", arm.sequence_id, arm.offset, arm.length)
+        )
+    return out
+
+
+def _resolve(
+    spans: list[tuple[str, str, int, int]], tokens: np.ndarray, where: str, session: str, records: Records
+) -> Provenance:
+    """Check that the runs tile `tokens` and that each names tokens its sequence really has at that place."""
+    n = len(tokens)
+    sampled = np.zeros(n, bool)
+    sampler = np.zeros(n, np.float32)
+    position = 0
+    for j, (kind, sequence_id, offset, length) in enumerate(spans):
+        at = f"{where}[{j}]"
+        if offset < 0 or length < 0:
+            raise UserError(f"{at}: offset {offset} and length {length} must be >= 0")
+        if position + length > n:
+            raise UserError(
+                f"{at}: the runs cover more than the field's {n} positions; they must tile it exactly "
+                "(Datum.with_provenance checks this)"
+            )
+        if length == 0:
+            continue
+        if session_of(sequence_id) != session:
+            raise UserError(
+                f"{at}: sequence_id {sequence_id!r} was not sampled in this training client's session "
+                f"({session}); provenance works within one session: sample and train in the same one"
+            )
+        record = records(sequence_id)
+        if record is None:
+            raise UserError(
+                f"{at}: sequence_id {sequence_id!r} has no stability record here; sample it from a sampling client "
+                "created with record_stability_info=True and wait for its result (a record is kept for one day "
+                "after its last use, and not across a service restart)"
+            )
+        source = record.prompt if kind == "prompt" else record.tokens
+        if offset + length > len(source):
+            raise UserError(
+                f"{at}: offset {offset} + length {length} runs past the {len(source)} {kind} tokens of sequence "
+                f"{sequence_id!r}"
+            )
+        seen = tokens[position : position + length]
+        wrong = np.flatnonzero(seen != source[offset : offset + length])
+        if wrong.size:
+            k = int(wrong[0])
+            raise UserError(
+                f"{at}: position {position + k} holds token {int(seen[k])}, but sequence {sequence_id!r} has "
+                f"{int(source[offset + k])} at {kind} offset {offset + k}; a run must name the tokens as they "
+                "were sampled"
+            )
+        if kind == "sampled":
+            sampled[position : position + length] = True
+            sampler[position : position + length] = record.logprobs[offset : offset + length]
+        position += length
+    if position != n:
+        raise UserError(
+            f"{where}: the runs cover {position} positions, but the field has {n}; they must tile it exactly "
+            "(Datum.with_provenance checks this)"
+        )
+    return Provenance(sampled, sampler)
+
+
+def _stable_reinforce_provenance(
+    datum: pb.Datum, index: int, ids: list[int], targets: np.ndarray, session: str, records: Records
+) -> Provenance:
+    """stable_reinforce's provenance: model_input and target_tokens checked against what was sampled; the targets'
+    spans say which positions train and with which sampler logprobs."""
+    if not datum.loss_fn_input_spans or not datum.model_input_spans:
+        raise UserError(
+            f"data[{index}]: loss_fn 'stable_reinforce' needs provenance: attach it with Datum.with_provenance "
+            "(PromptProvenanceSpan / SampledProvenanceSpan runs naming the sequence_id of each token's sample, "
+            "from a sampling client created with record_stability_info=True)"
+        )
+    where = f"data[{index}]"
+    _resolve(
+        _spans(datum, "model_input_spans"), np.asarray(ids), f"{where}.model_input_spans", session, records
+    )
+    provenance = _resolve(
+        _spans(datum, "loss_fn_input_spans"),
+        np.asarray(targets),
+        f"{where}.loss_fn_input_spans",
+        session,
+        records,
+    )
+    if not provenance.sampled.any():
+        raise UserError(
+            f"{where}.loss_fn_input_spans: no run is a SampledProvenanceSpan, so no target is a sampled token and "
+            "stable_reinforce has nothing to train; leave this datum out"
+        )
+    return provenance
+
+
 @dataclass(frozen=True)
 class _Decoded:
     example: TrainingExample
@@ -190,7 +333,14 @@ class _Decoded:
     sequence_mask: list[float] | None
 
 
-def to_example(datum: pb.Datum, index: int, loss: LossParams, vocab_size: int) -> _Decoded:
+def to_example(
+    datum: pb.Datum,
+    index: int,
+    loss: LossParams,
+    vocab_size: int,
+    session: str = "",
+    records: Records = _no_records,
+) -> _Decoded:
     unknown = sorted(set(datum.loss_fn_inputs) - INPUT_KEYS)
     if unknown:
         raise UserError(
@@ -240,6 +390,11 @@ def to_example(datum: pb.Datum, index: int, loss: LossParams, vocab_size: int) -
     else:
         target_ids = [int(t) for t in targets]
         loss_mask = [float(w) for w in weights] if weights is not None else [1.0] * n
+    if loss.name == "stable_reinforce":
+        # Only sampled tokens train, against the logprobs the sampler recorded (a `logprobs` input is not read).
+        provenance = _stable_reinforce_provenance(datum, index, ids, targets, session, records)
+        loss_mask = [w if s else 0.0 for w, s in zip(loss_mask, provenance.sampled, strict=True)]
+        sampler = provenance.sampler_logprobs
     example = TrainingExample(
         input_ids=ids,
         target_ids=target_ids,
@@ -251,9 +406,12 @@ def to_example(datum: pb.Datum, index: int, loss: LossParams, vocab_size: int) -
     return _Decoded(example, soft, mask)
 
 
-def decode_forward_backward(body: bytes, vocab_size: int) -> tuple[str, int, bool, Any]:
+def decode_forward_backward(
+    body: bytes, vocab_size: int, records: Records = _no_records
+) -> tuple[str, int, bool, Any]:
     """(model_id, seq_id, forward_only, the call or the UserError refusing it): a refused call still takes its
-    place in the model's order, so the calls after it run."""
+    place in the model's order, so the calls after it run. `records`: the sampler's stability records, which
+    stable_reinforce reads through each datum's provenance."""
     request = pb.ForwardBackwardRequest()
     try:
         request.ParseFromString(body)
@@ -263,7 +421,8 @@ def decode_forward_backward(body: bytes, vocab_size: int) -> tuple[str, int, boo
         if not request.data:
             raise UserError("forward_backward needs at least one datum")
         loss = _loss_params(request.loss_fn, _config(request))
-        decoded = [to_example(d, i, loss, vocab_size) for i, d in enumerate(request.data)]
+        session = session_of(request.model_id)
+        decoded = [to_example(d, i, loss, vocab_size, session, records) for i, d in enumerate(request.data)]
         call: Any = ForwardBackwardCall(
             request.model_id,
             request.seq_id,

@@ -14,6 +14,11 @@ Departures from Tinker, all opt-in and off by default:
   instead, which is the same except for `dro`, whose quadratic term we also mask.
 - `gspo` over a sequence whose `sequence_mask_BT` marks no token: Tinker's mean over an empty set is NaN; here the
   sequence ratio is 1 (log-ratio 0), so such a sequence trains as on-policy PPO would.
+- `stable_reinforce`: Tinker publishes its name, its `kl_coeff` and that it reads what the sampler recorded, not its
+  objective. Ours is REINFORCE with the importance weight truncated at 1 (V-trace's rho-bar = 1) plus kl_coeff times
+  the k3 estimate of KL(sampler || trainer): -sg(min(r, 1)) * A * lp + kl_coeff * (r - 1 - log r). On-policy (r = 1)
+  its gradient is REINFORCE's; off-policy no token's weight exceeds 1, and the KL term pulls the trainer back toward
+  the policy that sampled the tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from typing import Literal
 
 import torch
 
-LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "grpo", "gspo"]
+LossName = Literal[
+    "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "grpo", "gspo", "stable_reinforce"
+]
 Reduction = Literal["sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
 
 RATIO_LOSSES: frozenset[str] = frozenset({"importance_sampling", "ppo", "cispo", "grpo"})
@@ -39,6 +46,9 @@ DEFAULT_CLIP: dict[str, tuple[float, float]] = {
 }
 CLIPPED_LOSSES: frozenset[str] = frozenset(DEFAULT_CLIP)
 DEFAULT_DRO_BETA = 0.05
+# The SDK's one published StableReinforce number is its loss_fn_config example, {"kl_coeff": 0.01}; the hosted
+# default is not published, so the example is ours.
+DEFAULT_KL_COEFF = 0.01
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,7 @@ class LossParams:
     clip_high_threshold: float | None = None
     beta: float = DEFAULT_DRO_BETA  # dro only
     tis_cap: float | None = None  # truncated-IS cap on the ratio, ratio losses only
+    kl_coeff: float = DEFAULT_KL_COEFF  # stable_reinforce only: weight of the KL(sampler || trainer) penalty
 
     def clip_bounds(self) -> tuple[float, float]:
         low, high = DEFAULT_CLIP.get(self.name, (0.0, float("inf")))
@@ -140,6 +151,13 @@ def _per_token_loss(inputs: LossInputs, params: LossParams, ratio_BT: torch.Tens
     if name == "dro":
         sampler_lp_BT = _where_mask(mask_BT, inputs.sampler_logprobs_BT)
         return -(trainer_lp_BT * adv_BT - 0.5 * params.beta * (trainer_lp_BT - sampler_lp_BT) ** 2)
+    if name == "stable_reinforce":
+        reinforce_BT = -ratio_BT.clamp_max(1.0).detach() * adv_BT * trainer_lp_BT
+        if params.kl_coeff == 0:  # kept out entirely: 0 * an overflowed ratio would be NaN
+            return reinforce_BT
+        # log r taken before the exp, so that a ratio that underflows to 0 still gives a finite k3
+        log_ratio_BT = _where_mask(mask_BT, inputs.trainer_logprobs_BT - inputs.sampler_logprobs_BT)
+        return reinforce_BT + params.kl_coeff * (ratio_BT - 1 - log_ratio_BT)
     raise ValueError(f"unknown loss {name!r}")
 
 
@@ -152,6 +170,8 @@ def compute_loss(inputs: LossInputs, params: LossParams) -> tuple[torch.Tensor, 
     """
     if params.tis_cap is not None and params.name not in RATIO_LOSSES:
         raise ValueError(f"tis_cap applies to ratio losses {sorted(RATIO_LOSSES)}, not {params.name!r}")
+    if not (math.isfinite(params.kl_coeff) and params.kl_coeff >= 0):
+        raise ValueError(f"kl_coeff must be a finite number >= 0, got {params.kl_coeff!r}")
     ratio_BT, used_ratio_BT = _ratio(inputs, params.tis_cap)
     clip_ratio_BT = ratio_BT  # the ratio the clip bounds are compared with, for the clipped-token count
     if params.name == "gspo":
@@ -187,6 +207,8 @@ def _compute_metrics(
         clipped = int(((clip_T < low) | (clip_T > high)).sum().item())
     if params.tis_cap is not None and n_tokens:
         clipped += int((ratio_T > params.tis_cap).sum().item())
+    if params.name == "stable_reinforce" and n_tokens:  # the tokens whose weight the truncation at 1 lowered
+        clipped = int((ratio_T > 1).sum().item())
     # k3 estimator of KL(sampler || trainer): E_q[r - 1 - log r] >= 0, low variance (Schulman's note).
     mismatch_kl_sum = float((ratio_T - 1 - log_ratio_T).sum().item()) if n_tokens else 0.0
     return {

@@ -7,7 +7,8 @@ Marked `gpu` (deselected by default, never in CI) and skipped without CUDA. It c
   2. a bf16 LocalBackend trains the tiny model and saves a bf16 adapter;
   3. the trainer on a random Llama-3.1-8B-shaped model with configs/gsm8k.yaml's trainer settings (bf16 base, LoRA
      rank 32 all-linear, gradient checkpointing, 16384-token micro-batches), 3 gsm8k-shaped steps: peak CUDA
-     memory against the memory plan's trainer figure;
+     memory against the memory plan's trainer figure; then the same distilling from a second 8B-shaped teacher
+     model, against the plan that counts the teacher;
   4. vLLM on CUDA in bf16 behind the gateway (needs vLLM): two verified publishes (runtime LoRA load and unload)
      with their verification figures, the previous version's adapter refused, and a kill -9 of vLLM healed with
      the current version still served;
@@ -134,6 +135,71 @@ def test_8b_trainer_peak_memory_is_within_the_plan(tmp_path):
         ratio=round(measured / plan.trainer.total, 3),
         plan_parts_gib={p.name: round(p.bytes / GiB, 2) for p in plan.trainer.parts},
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        steps=steps,
+    )
+    assert 0.5 * plan.trainer.total <= measured <= plan.trainer.total
+
+
+def test_8b_distillation_from_a_teacher_model_is_within_the_plan(tmp_path):
+    """configs/gsm8k.yaml's trainer distilling from a second random Llama-3.1-8B shape (a teacher model of its own,
+    placed as load_teacher places one; loading from a folder is covered on CPU): 2 gsm8k-shaped steps of teacher
+    scoring + training. The measured peak must lie within the plan that counts the teacher's weights, and above half
+    of it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from benchmarks.trainer_bench import SHAPES
+    from trainer.backends.local import LocalBackend
+    from trainer.orchestration.memory_plan import GiB, build_memory_plan
+    from trainer.training.distill import distill_examples
+
+    cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml", [f"trainer.output_dir={tmp_path}"])
+    release_cuda_memory()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    shape = LlamaConfig(**SHAPES["llama-3.1-8b"])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        student = AutoModelForCausalLM.from_config(shape, dtype=torch.bfloat16)
+        teacher = AutoModelForCausalLM.from_config(shape, dtype=torch.bfloat16)
+    teacher.eval().requires_grad_(False)
+    config = student.config.to_dict()
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    plan = build_memory_plan(cfg, config, None, gpu_bytes, on_cuda=True, teacher_config=config)
+    backend = LocalBackend(cfg, model=student)
+    backend.teacher_model = teacher
+    del student, teacher
+    steps = []
+    try:
+        for step in range(2):
+            examples = gsm8k_examples(backend.vocab_size, seed=step)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            scored = backend.teacher_logprobs(examples)
+            torch.cuda.synchronize()
+            teacher_s = time.perf_counter() - started
+            distilled, metrics = distill_examples(examples, scored, kl_coef=1.0, reward_coef=0.0)
+            backend.train_step(
+                distilled, cfg.loss.params(), cfg.loss.reduction, build_adam_params(step, cfg.optim)
+            )
+            torch.cuda.synchronize()
+            steps.append(
+                {
+                    "tokens": sum(len(e) for e in examples),
+                    "teacher_s": round(teacher_s, 2),
+                    "step_s": round(time.perf_counter() - started, 2),
+                    "teacher_kl": round(metrics["distill/teacher_kl"], 3),
+                }
+            )
+        measured = torch.cuda.max_memory_allocated() - baseline
+    finally:
+        del backend
+        release_cuda_memory()
+    report(
+        "distill_8b_teacher_model",
+        measured_peak_gib=round(measured / GiB, 2),
+        plan_trainer_gib=round(plan.trainer.total / GiB, 2),
+        ratio=round(measured / plan.trainer.total, 3),
+        plan_parts_gib={p.name: round(p.bytes / GiB, 2) for p in plan.trainer.parts},
         steps=steps,
     )
     assert 0.5 * plan.trainer.total <= measured <= plan.trainer.total

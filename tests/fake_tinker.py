@@ -193,6 +193,19 @@ class FakeSamplingClient(tinker.SamplingClient):
         ]
         return done(types.SampleResponse(sequences=sequences))
 
+    @torch.no_grad()
+    def compute_logprobs(self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None) -> Any:
+        """Each prompt token's logprob given the tokens before it (None for the first, and before the last n)."""
+        ids = prompt.to_ints()
+        with self._lock:
+            logits = self.model(torch.tensor([ids])).logits[0].double()
+        lp = torch.log_softmax(logits, dim=-1)
+        values: list[float | None] = [None] + [float(lp[t - 1, ids[t]]) for t in range(1, len(ids))]
+        if prompt_logprobs_last_n is not None:
+            cut = len(ids) - prompt_logprobs_last_n
+            values = [None] * cut + values[cut:]
+        return done(values)
+
 
 class FakeServiceClient:
     """The ServiceClient methods the backends call, returning what Tinker returns."""

@@ -152,8 +152,8 @@ def test_the_teacher_is_a_peft_folder_or_a_run_folders_newest_adapter_and_local_
     with pytest.raises(ConfigError, match="no such folder"):
         resolve_teacher(str(tmp_path / "typo"))
     assert resolve_teacher("meta-llama/Llama-3.1-70B-Instruct") == "meta-llama/Llama-3.1-70B-Instruct"
-    with pytest.raises(ValueError, match="the teacher is scored in the local trainer"):
-        make_cfg(tmp_path, distill__teacher="x", launch__backend="tinker")
+    with pytest.raises(ValueError, match="the teacher must live on Tinker"):
+        make_cfg(tmp_path, distill__teacher=str(tmp_path), launch__backend="tinker")
     with pytest.raises(ValueError, match="distillation runs in one trainer process"):
         make_cfg(tmp_path, distill__teacher="x", distributed__nproc_per_node=2)
 

@@ -104,6 +104,47 @@ def test_gspo_datums_mark_the_trained_tokens_for_the_sequence_ratio(examples):
     )
 
 
+def test_a_teacher_on_tinker_scores_the_trained_tokens_and_distillation_trains(
+    fake_root, examples, tokenizer_path
+):
+    """distill.teacher with --backend tinker: a base model Tinker serves (and a sampler checkpoint by its tinker://
+    path), scored by compute_logprobs; the logprobs are a float64 forward's, and a distillation step trains."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.backends.local import resolve_model_path
+    from trainer.training.backend import TeacherScoring
+    from trainer.training.distill import distill_examples
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    backend = TinkerBackend(tiny_cfg(fake_root, FACTORY, "distill.teacher=tiny"), tokenizer=tok)
+    backend.load_teacher("tiny")
+    assert isinstance(backend, TeacherScoring)
+    got = backend.teacher_logprobs(examples)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"), dtype=torch.float64).eval()
+    with torch.no_grad():
+        for ex, row in zip(examples, got, strict=True):
+            lp = torch.log_softmax(model(input_ids=torch.tensor([ex.input_ids])).logits[0], -1)
+            want = lp.gather(1, torch.tensor(ex.target_ids)[:, None])[:, 0]
+            assert len(row) == len(ex.target_ids)
+            for t, m in enumerate(ex.loss_mask):
+                assert row[t] == (pytest.approx(float(want[t]), abs=1e-4) if m else 0.0), t
+    distilled, metrics = distill_examples(examples, got, kl_coef=1.0, reward_coef=0.0)
+    assert metrics["distill/tokens_scored"] > 0
+    _, optim = backend.train_step(distilled, LossParams("importance_sampling"), "sum", adam_params(1e-2))
+    assert optim["optim/grad_norm"] > 0
+    # A sampler checkpoint of this run as the teacher: its tinker:// path, scored like the base.
+    path = backend.save_for_sampler(1)
+    backend.load_teacher(path)
+    assert backend.teacher_logprobs(examples[:1])[0] != got[0]
+
+
+def test_a_local_teacher_is_refused_with_the_tinker_backend(tmp_path):
+    for local in (str(tmp_path), "./teacher", "http://127.0.0.1:8000"):
+        with pytest.raises(ValueError, match="the teacher must live on Tinker"):
+            tiny_cfg(tmp_path, f"distill.teacher={local}")
+    assert tiny_cfg(tmp_path, "distill.teacher=tinker://run/sampler_weights/v1").distill.teacher
+
+
 def test_train_step_save_and_resume(fake_root, examples, tokenizer_path):
     from transformers import AutoTokenizer
 

@@ -16,7 +16,10 @@ def build_backend(cfg: RunConfig) -> TrainingBackend:
     if cfg.launch.backend == "tinker":
         from trainer.backends.tinker import TinkerBackend  # the local path never imports tinker
 
-        return TinkerBackend(cfg)
+        remote = TinkerBackend(cfg)
+        if cfg.distill.teacher is not None:
+            remote.load_teacher(cfg.distill.teacher)
+        return remote
     local = LocalBackend(cfg)
     if cfg.distill.teacher is not None:
         local.load_teacher(resolve_teacher(cfg.distill.teacher))

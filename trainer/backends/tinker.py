@@ -168,6 +168,7 @@ class TinkerBackend:
             "the training-client creation",
         )
         self._tokenizer = tokenizer
+        self.teacher: Any = None  # a sampling client of the distillation teacher (load_teacher)
         self._step = 0
         self.output_dir = Path(cfg.trainer.output_dir)
 
@@ -287,6 +288,47 @@ class TinkerBackend:
         fb_done = time.perf_counter()
         response = wait(optim_future, self.timeout_s, "optim_step")
         return fb, self._optim_metrics(response, adam, fb_done)
+
+    # --- distillation ---------------------------------------------------------------------------------------
+
+    def load_teacher(self, teacher: str) -> None:
+        """A distillation teacher that lives on Tinker: a sampler checkpoint (tinker://...) or a base model Tinker
+        serves, scored through a sampling client of its own."""
+        kind = {"model_path": teacher} if teacher.startswith("tinker://") else {"base_model": teacher}
+        self.teacher = wait(
+            self.service.create_sampling_client(**kind), self.timeout_s, "the teacher's sampling client"
+        )
+
+    def teacher_logprobs(self, examples: Sequence[TrainingExample]) -> list[list[float]]:
+        """The teacher's logprob of every trained token of `examples` (0.0 elsewhere): compute_logprobs of each
+        whole sequence, all submitted before any is awaited, scoring only from the first trained token on (the
+        prefix before it comes from Tinker's prefix cache)."""
+        types = import_tinker().types
+        futures = []
+        for ex in examples:
+            tokens = [*ex.input_ids, ex.target_ids[-1]]  # position t+1 holds target t
+            first = next((t for t, m in enumerate(ex.loss_mask) if m), None)
+            last_n = None if first is None else len(tokens) - 1 - first
+            futures.append(
+                self.teacher.compute_logprobs(
+                    types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=last_n
+                )
+                if last_n
+                else None
+            )
+        out = []
+        for ex, future in zip(examples, futures, strict=True):
+            scored = (
+                wait(future, self.timeout_s, "the teacher's compute_logprobs") if future is not None else []
+            )
+            row = []
+            for t, m in enumerate(ex.loss_mask):
+                value = scored[t + 1] if m else None
+                if m and value is None:
+                    raise RuntimeError(f"Tinker answered no teacher logprob for trained position {t}")
+                row.append(float(value) if value is not None else 0.0)
+            out.append(row)
+        return out
 
     def save_for_sampler(self, version: int) -> str:
         response = wait(

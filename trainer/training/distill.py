@@ -20,13 +20,16 @@ from trainer.training.batch import TrainingExample
 from trainer.training.checkpoints import VERSION_DIR
 from trainer.training.config import ConfigError
 
-TeacherKind = Literal["adapter", "model"]
+TeacherKind = Literal["adapter", "model", "tinker"]
+TINKER_SCHEME = "tinker://"  # a sampler checkpoint on Tinker (--backend tinker)
 
 
 def resolve_teacher(path: str) -> str:
     """distill.teacher as what the trainer loads: a PEFT adapter folder as given, a run folder's newest adapter, or
     anything else as a whole model (a folder with config.json, `tiny`, or a hub id the launcher fetches like
     model.path)."""
+    if path.startswith(TINKER_SCHEME):
+        return path
     folder = Path(path).expanduser()
     if (folder / "adapter_config.json").is_file():
         return str(folder.resolve())
@@ -46,7 +49,10 @@ def resolve_teacher(path: str) -> str:
 
 
 def teacher_kind(resolved: str) -> TeacherKind:
-    """What resolve_teacher's answer names: a LoRA adapter on the student's base, or a model of its own."""
+    """What resolve_teacher's answer names: a LoRA adapter on the student's base, a model of its own (a folder or a
+    hub id; with --backend tinker, a base model Tinker serves), or a sampler checkpoint on Tinker."""
+    if resolved.startswith(TINKER_SCHEME):
+        return "tinker"
     return "adapter" if (Path(resolved) / "adapter_config.json").is_file() else "model"
 
 

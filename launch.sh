@@ -4,6 +4,7 @@
 #   bash launch.sh --config FILE [key=value ...]   the environments the file names (rollout.env or rollout.envs)
 #   sbatch [sbatch options] launch.sh ENV ...   the same run as a SLURM job (submit from the repository folder)
 #   bash launch.sh --setup        only create/update .venv (first run: ~2 min, ~3 GB on CPU)
+#   bash launch.sh vf:ID_OR_FILE --config FILE ...   a verifiers environment (builds .venv-verifiers on first use)
 #   bash launch.sh service [--config FILE] [k=v ...]   the local Tinker-protocol service (README)
 # Sets up .venv on first use, then hands over to `python -m trainer.orchestration.launcher`, which starts run-api, the gateway
 # with vLLM, the environment(s) and the trainer (each as an srun step under SLURM), and stops them all when the
@@ -239,9 +240,52 @@ setup_env() {
   echo "[launch.sh] environment ready" >&2
 }
 
+# verifiers environments (`vf:ID`) run in a venv of their own, built only when a launch names one: verifiers and
+# its dependencies never enter $VENV. The stamp is the hash of the runner's requirements file.
+VF_VENV="$ROOT/.venv-verifiers"  # trainer/orchestration/commands.py runs its python
+VF_REQUIREMENTS="$ROOT/environments/verifiers_runner/requirements.txt"
+
+# Whether a config file (or a run folder's config.yaml) names a vf: environment in rollout.env or rollout.envs.
+config_names_verifiers() { [ -f "$1" ] && grep -Eq "^[[:space:]-]*env:[[:space:]]*[\"']?vf:" "$1"; }
+
+# Whether these launch arguments name a verifiers environment: a vf: ENV, a rollout.env=vf: override, or a config.
+names_verifiers() {
+  local arg want=""
+  for arg in "$@"; do
+    case "$want" in
+      config) config_names_verifiers "$arg" && return 0 ;;
+      resume) config_names_verifiers "$arg/config.yaml" && return 0 ;;
+    esac
+    want=""
+    case "$arg" in
+      vf:* | rollout.env=vf:*) return 0 ;;
+      --config) want=config ;;
+      --resume) want=resume ;;
+      --config=*) config_names_verifiers "${arg#--config=}" && return 0 ;;
+      --resume=*) config_names_verifiers "${arg#--resume=}/config.yaml" && return 0 ;;
+    esac
+  done
+  return 1
+}
+
+setup_verifiers() {
+  local stamp
+  stamp="$VF_VENV/.installed-$(sha256sum <"$VF_REQUIREMENTS" | cut -c1-16)"
+  [ -f "$stamp" ] && return 0
+  echo "[launch.sh] setting up $VF_VENV for verifiers environments ($(grep -v '^#' "$VF_REQUIREMENTS" | xargs))" >&2
+  [ -x "$VF_VENV/bin/python" ] || "$VENV/bin/python" -m venv "$VF_VENV"
+  "$VF_VENV/bin/python" -m pip install -q --upgrade pip
+  "$VF_VENV/bin/python" -m pip install -q -r "$VF_REQUIREMENTS"
+  rm -f "$VF_VENV"/.installed-*
+  touch "$stamp"
+  echo "[launch.sh] verifiers environment ready" >&2
+}
+
 if [ "${1:-}" = "--setup" ]; then setup_env; exit 0; fi
-case "${1:-}" in ""|-h|--help) sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//' >&2; [ -n "${1:-}" ]; exit $? ;; esac
+if [ "${1:-}" = "--setup-verifiers" ]; then setup_env; setup_verifiers; exit 0; fi
+case "${1:-}" in ""|-h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2; [ -n "${1:-}" ]; exit $? ;; esac
 setup_env
-export TOKENIZERS_PARALLELISM=false WANDB_MODE="${WANDB_MODE:-offline}"
+if [ "$1" != "service" ] && names_verifiers "$@"; then setup_verifiers; fi
+export TOKENIZERS_PARALLELISM=false  # W&B: the launcher picks online (a login here) or offline per run
 if [ "$1" = "service" ]; then shift; exec "$VENV/bin/python" -m trainer.orchestration.service_launch "$@"; fi
 exec "$VENV/bin/python" -m trainer.orchestration.launcher "$@"

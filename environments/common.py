@@ -279,6 +279,40 @@ def capturing_reports() -> Iterator[None]:
         BaseEnv._run_evaluate = original_run  # type: ignore[method-assign]
 
 
+def unprefixed_wandb_log(original: Callable[..., Awaitable[Any]]) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """BaseEnv.wandb_log without atroposlib's `<registered name>_` key prefix (e.g. `toy-0_0_`). The launcher gives
+    each environment process a W&B run of its own in the run's group, which names it already; the prefix also
+    holds run-api's registration count, so keys would change at each restart of the process (`toy-0_1_...`) inside
+    the same W&B run, and the processes of one environment would never share a chart."""
+
+    async def wandb_log(self: Any, wandb_metrics: dict[str, Any] | None = None) -> Any:
+        # Only this coroutine reads wandb_prepend meanwhile: atroposlib's env_step_checks saves its checkpoint
+        # (the other reader) before it logs.
+        prefix, self.wandb_prepend = self.wandb_prepend, None
+        try:
+            return await original(self, wandb_metrics)
+        finally:
+            self.wandb_prepend = prefix
+
+    wandb_log._unprefixed = True  # type: ignore[attr-defined]
+    return wandb_log
+
+
+@contextlib.contextmanager
+def wandb_run_per_process() -> Iterator[None]:
+    """For a `serve` run: what the environment logs to W&B (with launch.wandb) goes under atroposlib's own keys
+    (train/completion_lengths, train_perf/..., server/...) and the environment's, unprefixed."""
+    original = BaseEnv.wandb_log
+    if getattr(original, "_unprefixed", False):
+        yield
+        return
+    BaseEnv.wandb_log = unprefixed_wandb_log(original)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        BaseEnv.wandb_log = original  # type: ignore[method-assign]
+
+
 def eval_target_problem(argv: Sequence[str], timeout_s: float = 10.0) -> str | None:
     """Why the gateway cannot serve this evaluate process, or None. atroposlib polls <base_url minus /v1>/health and
     holds every request until it answers 200, so a target the gateway does not have (an adapter not loaded: 404)
@@ -306,7 +340,8 @@ def run_cli(env_cls: type[BaseEnv], preflight: Preflight | None = None) -> None:
     configure_logging()
     chat_template_returns_ids()
     if command != ["evaluate"]:
-        env_cls.cli()
+        with wandb_run_per_process():
+            env_cls.cli()
         return
     problem = eval_target_problem(sys.argv[2:])
     if problem:

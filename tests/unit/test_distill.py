@@ -279,7 +279,9 @@ def test_launch_preflight_fetches_a_teacher_model_and_refuses_another_tokenizer(
     from trainer.orchestration.launcher import preflight
     from trainer.training.config import ConfigError
 
-    cfg = make_cfg(tmp_path, distill__teacher="tiny")  # a model named like model.path: found (or fetched) alike
+    cfg = make_cfg(
+        tmp_path, distill__teacher="tiny"
+    )  # a model named like model.path: found (or fetched) alike
     assert preflight(cfg) == cfg.distill.teacher == resolve_model_path("tiny")
     cfg = make_cfg(tmp_path, distill__teacher=str(ensure_tiny_model(seed=1)))
     with pytest.raises(ConfigError, match="its tokenizer differs from the student's"):

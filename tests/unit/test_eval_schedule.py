@@ -193,31 +193,6 @@ def test_greedy_pass_at_k_is_refused(tmp_path):
         make_cfg(tmp_path, eval__k=4)
 
 
-def test_evaluations_reach_wandb_through_the_trainers_writer_once_each(tmp_path):
-    from trainer.training.loop import MetricsWriter
-
-    (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 0, "status": "ok", "eval/pass@1": 0.0}) + "\n")
-    writer = MetricsWriter(
-        tmp_path / "metrics.jsonl", False, make_cfg(tmp_path)
-    )  # a resumed run: logged before
-    logged: list[tuple[dict, int]] = []
-    writer._wandb = type("W", (), {"log": lambda self, d, step: logged.append((d, step))})()
-    rows = [
-        {"step": 5, "status": "ok", "eval/pass@1": 0.5, "reported/acc": 1, "target": "step 5"},
-        {"step": 10, "status": "failed", "reason": "x"},
-    ]
-    with (tmp_path / "eval.jsonl").open("a") as f:
-        f.write(
-            "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 15, "sta'
-        )  # the last one half written
-    writer.write({"step": 7, "loss": 1.0})
-    writer.write({"step": 8, "loss": None})
-    assert logged == [
-        ({"step": 7, "loss": 1.0, "eval/pass@1": 0.5, "reported/acc": 1.0, "eval/step": 5.0}, 7),
-        ({"step": 8}, 8),
-    ]
-
-
 def test_the_eval_command_compares_base_and_the_newest_adapter_on_a_running_gateway(
     tmp_path, monkeypatch, gateway, capsys
 ):

@@ -21,7 +21,8 @@ from typing import Any
 
 from trainer.orchestration.processes import Component
 from trainer.orchestration.slurm import Placement, srun_prefix
-from trainer.training.config import ConfigError, EnvSpec, RunConfig
+from trainer.training.config import VERIFIERS_PREFIX, ConfigError, EnvSpec, RunConfig
+from trainer.training.wandb_group import ENVIRONMENT, TRAINER, current_mode, process_environ
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -30,11 +31,18 @@ RUN_API_APP = (
 )
 # A mixed run's run-api: atroposlib's app with the two routes mixing needs (trainer.orchestration.run_api).
 MIXED_RUN_API_APP = "trainer.orchestration.run_api:app"
+# verifiers environments run in a venv of their own, which launch.sh builds when one is named
+# (environments/verifiers_runner/requirements.txt): verifiers is never installed into or imported by .venv.
+VERIFIERS_PY = ROOT / ".venv-verifiers" / "bin" / "python"
+VERIFIERS_RUNNER = "environments.verifiers_runner"
 
 
 def resolve_env_module(env: str, where: str = "rollout.env") -> list[str]:
     """`python -m environments.<name>` for a built-in name; any Atropos env file runs unmodified through
     environments.upstream (declared flags only, the gateway as its one server, transformers-4 chat ids)."""
+    if env.startswith(VERIFIERS_PREFIX):
+        verifiers_target(env, where)  # refuses an empty name or a missing file
+        return [str(VERIFIERS_PY), "-m", VERIFIERS_RUNNER]
     if env.endswith(".py"):
         path = Path(env)
         if not path.is_file():
@@ -46,6 +54,25 @@ def resolve_env_module(env: str, where: str = "rollout.env") -> list[str]:
             f"{where}: unknown environment {env!r}: built-in ones are {names}, or pass a path to an env file"
         )
     return [PY, "-m", f"environments.{env}"]
+
+
+def verifiers_target(env: str, where: str) -> str:
+    """What `vf:<target>` names, as the runner's --env.vf_env: an installed environment id, or a .py file made
+    absolute (the runner's working folder is the repository's)."""
+    target = env.removeprefix(VERIFIERS_PREFIX)
+    if not target:
+        raise ConfigError(f"{where}={env!r}: name the verifiers environment after vf: (an id or a .py file)")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ConfigError(f"{where}={env!r}: no such verifiers environment file {target!r}")
+        return str(path.resolve())
+    return target
+
+
+def verifiers_flags(spec: EnvSpec, where: str) -> dict[str, Any]:
+    """The runner's own flags: the environment, and env_args as load_environment's keyword arguments."""
+    return {"env.vf_env": verifiers_target(spec.env, where), "env.vf_env_args": json.dumps(spec.env_args)}
 
 
 def env_where(cfg: RunConfig, spec: EnvSpec) -> str:
@@ -80,7 +107,9 @@ def env_command(cfg: RunConfig, model_path: str, worker: int, spec: EnvSpec | No
         "env.total_steps": -1,  # follow run-api's num_steps (the trainer's registration)
         "env.max_token_length": spec.max_token_length,
         "env.tokenizer_name": model_path,
-        "env.use_wandb": False,
+        # With launch.wandb, Atropos's own W&B logging, in the run's group (wandb_environs gives the process who it
+        # is); never without it.
+        "env.use_wandb": cfg.launch.wandb,
         "env.seed": r.seed + worker,
         # run-api's desired_name; the trainer reads it back (GET /envs) to name each group's environment
         "env.wandb_name": f"{spec.name}-{worker}",
@@ -97,6 +126,19 @@ def env_command(cfg: RunConfig, model_path: str, worker: int, spec: EnvSpec | No
         # (whole groups), and the environment paces itself to keep that share queued.
         flags["env.inference_weight"] = spec.weight
         flags["env.min_batch_allocation"] = round(spec.share / spec.workers, 6)
+    if spec.is_verifiers:  # env_args are load_environment's, not the runner's flags
+        flags.update(verifiers_flags(spec, env_where(cfg, spec)))
+        return [
+            *resolve_env_module(spec.env, env_where(cfg, spec)),
+            "serve",
+            *(flag(k, v) for k, v in flags.items()),
+        ]
+    if "use_wandb" in spec.env_args:
+        raise ConfigError(
+            f"{env_where(cfg, spec).removesuffix('.env')}.env_args.use_wandb={spec.env_args['use_wandb']!r}: the "
+            "launcher sets it from launch.wandb (the environments then log to the run's W&B group); drop it and set "
+            "launch.wandb=true or false"
+        )
     for key in spec.env_args:  # the environment's env_args win over what the launcher derives
         flags.pop(f"env.{key}", None)
     own = [f"--user-keys={','.join(spec.env_args)}"] if spec.is_file else []  # environments.upstream's
@@ -118,6 +160,14 @@ def env_preflight_command(cfg: RunConfig, model_path: str, spec: EnvSpec | None 
     spec = spec or cfg.rollout.env_specs()[0]
     # an unknown environment is a ConfigError naming the known ones
     module = resolve_env_module(spec.env, env_where(cfg, spec))
+    if spec.is_verifiers:
+        if not VERIFIERS_PY.is_file():
+            raise ConfigError(
+                f"{env_where(cfg, spec)}={spec.env!r}: the verifiers venv {VERIFIERS_PY.parent.parent} is missing; "
+                "launch.sh builds it when a vf: environment is named (or: bash launch.sh --setup-verifiers)"
+            )
+        own = verifiers_flags(spec, env_where(cfg, spec)) | {"env.tokenizer_name": model_path}
+        return [*module, "preflight", *(flag(k, v) for k, v in own.items())]
     if spec.is_file:
         flags = [
             a for a in env_command(cfg, model_path, 0, spec)[len(module) + 1 :] if not a.endswith("=None")
@@ -206,6 +256,17 @@ def trainer_allocator_env(cfg: RunConfig, environ: Mapping[str, str]) -> list[st
     return ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
 
 
+def wandb_environs(cfg: RunConfig, run_dir: Path) -> dict[str, dict[str, str]]:
+    """The W&B environment variables of the trainer and of each environment process (launch.wandb=true), by
+    component name: one mode for all, decided here once (WANDB_MODE if set, else online with a W&B login,
+    offline without)."""
+    mode, project = current_mode(), cfg.launch.wandb_project
+    out = {"trainer": process_environ(run_dir, "trainer", TRAINER, project, mode)}
+    for name, _, _ in cfg.rollout.env_processes():
+        out[name] = process_environ(run_dir, name, ENVIRONMENT, project, mode)
+    return out
+
+
 def build_components(
     cfg: RunConfig,
     run_dir: Path,
@@ -227,6 +288,7 @@ def build_components(
         trainer_env.append(f"CUDA_VISIBLE_DEVICES={cfg.distributed.devices}")
     if trainer_env:
         argvs["trainer"] = ["env", *trainer_env, *argvs["trainer"]]
+    environs = wandb_environs(cfg, run_dir) if cfg.launch.wandb else {}
     components = []
     for name, argv in argvs.items():
         if placement is not None:
@@ -238,6 +300,7 @@ def build_components(
                 argv,
                 run_dir / "logs" / f"{name}.log",
                 cwd=run_dir / "run-api" if name == "run-api" else ROOT,
+                env=environs.get(name, {}),
                 slurm_job=job_id if placement is not None else None,
                 pass_fds=(fds[name],) if name in fds else (),
             )

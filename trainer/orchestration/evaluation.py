@@ -6,7 +6,8 @@ evaluation never delays, counts towards or leaks into training; it only shares v
 A target is the base model or an adapter folder; a folder is loaded into the gateway under a name of its own for
 the evaluation and unloaded after it. What the process reports (its evaluate_log metrics.json and every wandb_log
 call, captured by environments.common) becomes one row of RUN_DIR/eval.jsonl, failed or not: a failing evaluation
-is recorded with its reason and never stops training.
+is recorded with its reason and never stops training. With launch.wandb each `ok` row also goes to the run's W&B
+group (trainer.training.wandb_group.EvalRun).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from typing import Any
 
 import httpx
 
-from trainer.orchestration.commands import ROOT, flag, resolve_env_module
+from trainer.orchestration.commands import ROOT, flag, resolve_env_module, verifiers_flags
 from trainer.orchestration.processes import Component, stop_all
 from trainer.training.checkpoints import adapter_dir, write_atomic
 from trainer.training.config import EnvSpec, RunConfig
+from trainer.training.wandb_group import EvalRun
 
 EVAL_FILE = "eval.jsonl"
 EVAL_DIR = "eval"  # RUN_DIR/eval/<target>/: each evaluation's process log and what it wrote
@@ -82,6 +84,9 @@ def eval_command(
         "openai.tokenizer_name": model_path,
         "openai.server_type": "vllm",
     }
+    if spec.is_verifiers:  # env_args are load_environment's, as in training
+        flags.update(verifiers_flags(spec, "rollout.env"))
+        return [*resolve_env_module(spec.env), "evaluate", *(flag(k, v) for k, v in flags.items())]
     for key in spec.env_args:  # the environment's own args win, as in training
         flags.pop(f"env.{key}", None)
     own = [f"--user-keys={','.join(spec.env_args)}"] if spec.is_file else []
@@ -316,6 +321,8 @@ class Evaluator:
         self.waiting: Target | None = None
         self.silent: set[str] = set()  # environments whose evaluate() reported nothing
         self.on = cfg.eval.on
+        self.wandb: EvalRun | None = None  # launch.wandb: the group's eval run, opened at the first row
+        self.wandb_off = not cfg.launch.wandb
 
     def start(self) -> None:
         if self.on and self.cfg.eval.at_start:
@@ -363,6 +370,23 @@ class Evaluator:
             self.running.stop()
             self.running = None
             self.queue = []
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
+
+    def _log_to_wandb(self, row: dict[str, Any]) -> None:
+        """The row on the run's W&B group (its eval run). W&B failing to start or log is said once and ends only
+        the evaluations' W&B logging: like a failed evaluation, it never stops training."""
+        if self.wandb_off or row.get("status") != "ok":
+            return
+        try:
+            if self.wandb is None:
+                config = {"eval": self.cfg.eval.model_dump(mode="json"), "envs": [s.name for s in self.specs]}
+                self.wandb = EvalRun(self.run_dir, self.cfg.launch.wandb_project, config)
+            self.wandb.log(row)
+        except Exception as exc:  # W&B's own errors are of many kinds (network, service, usage)
+            self.wandb_off = True
+            print(f"eval: not logged to W&B from now on: {type(exc).__name__}: {exc}", flush=True)
 
     def _todo(self, step: Any) -> list[EnvSpec]:
         return [s for s in self.specs if (step, s.name) not in self.done and s.name not in self.silent]
@@ -387,6 +411,7 @@ class Evaluator:
         assert self.running is not None
         target = self.running.target
         append_row(self.run_dir, row)
+        self._log_to_wandb(row)
         if row["status"] == "ok":
             self.done.add((row["step"], row["env"]))
         if row["status"] == NOTHING:

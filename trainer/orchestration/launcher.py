@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import shlex
 import signal
@@ -38,9 +39,11 @@ from trainer.orchestration.dashboard_launch import start_dashboard
 from trainer.orchestration.processes import Component, listen, stop_all, stop_first
 from trainer.orchestration.slurm import Placement, SlurmJob, job_from_env, parse_nodelist, plan
 from trainer.orchestration.supervisor import LaunchError, Supervisor, wait_http
+from trainer.training import wandb_group
 from trainer.training.checkpoints import read_latest
 from trainer.training.config import ConfigError, EnvSpec, RunConfig, load_config, sampler_dtype
-from trainer.training.distill import resolve_teacher
+from trainer.training.distill import resolve_teacher, teacher_kind
+from trainer.training.teacher_http import api_key, preflight_url_teacher
 
 ANY_HOST = frozenset({"0.0.0.0", "::"})
 RUNS = ROOT / "runs"  # a new run's folder goes here unless trainer.output_dir says where
@@ -123,7 +126,13 @@ def preflight(cfg: RunConfig) -> str:
     """Everything missing, reported at once within seconds: the model (or, for Tinker, only its tokenizer), the
     Tinker key, the environment's data. Then a model that is not here is downloaded (only once nothing else
     stands in the way). Returns the local model (or tokenizer) folder, never a hub id."""
-    from trainer.orchestration.preflight import ModelDownload, check_tinker, download_model, find_model
+    from trainer.orchestration.preflight import (
+        ModelDownload,
+        check_teacher_tokenizer,
+        check_tinker,
+        download_model,
+        find_model,
+    )
 
     problems: list[str] = []
     tinker = cfg.launch.backend == "tinker"
@@ -136,19 +145,35 @@ def preflight(cfg: RunConfig) -> str:
     if tinker and not cfg.tinker.client_factory:
         problems += check_tinker()
     specs = cfg.rollout.env_specs()
-    for spec in specs:  # an env file's check needs the model's tokenizer folder: those run after the download
-        if not spec.is_file:
+    # env files' and verifiers environments' checks need the model's tokenizer folder: those run after the download
+    for spec in specs:
+        if not (spec.is_file or spec.is_verifiers):
             problems += check_environment(cfg, found if isinstance(found, str) else wanted, spec)
+    teacher: str | ModelDownload | None = None  # a teacher model of its own (not an adapter), once found
     if cfg.distill.teacher is not None:
         try:  # the folder the trainer will load, fixed now (a teacher run's newest adapter at launch)
             cfg.distill.teacher = resolve_teacher(cfg.distill.teacher)
+            if teacher_kind(cfg.distill.teacher) == "model":  # on Tinker only its tokenizer is read here
+                teacher = find_model(cfg.distill.teacher, tokenizer_only=tinker, setting="distill.teacher")
         except ConfigError as exc:
             problems.append(str(exc))
     if problems:
         raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
     assert found is not None  # find_model either answered or its problem was raised above
     model_path = found if isinstance(found, str) else download_model(found)
-    problems = [p for spec in specs if spec.is_file for p in check_environment(cfg, model_path, spec)]
+    problems = [
+        p
+        for spec in specs
+        if spec.is_file or spec.is_verifiers
+        for p in check_environment(cfg, model_path, spec)
+    ]
+    if cfg.distill.by_url:  # a server elsewhere: it answers, serves one base model, tokenizes as the student
+        problems += preflight_url_teacher(cfg.distill, model_path)
+    if teacher is not None:  # a model of its own, sharing the student's tokenizer
+        folder = teacher if isinstance(teacher, str) else download_model(teacher)
+        problems += check_teacher_tokenizer(model_path, folder)
+        if not tinker:  # the local trainer loads it from that folder; Tinker by its name
+            cfg.distill.teacher = folder
     if problems:
         raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
     return model_path
@@ -204,7 +229,7 @@ def bind_locally(cfg: RunConfig) -> tuple[dict[str, int], dict[str, Any]]:
     return {"run-api": api.detach(), "gateway": gateway.detach()}, {"host": host, "port": port}
 
 
-SECRET_KEYS = ("publish_token", "api_key")
+SECRET_KEYS = ("publish_token", "api_key", "teacher_api_key")
 
 
 def redacted(data: Any) -> Any:
@@ -240,6 +265,8 @@ def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> int:
     tinker = cfg.launch.backend == "tinker"
     wanted = (cfg.tinker.tokenizer or cfg.model.path) if tinker else cfg.model.path
     print(f"# {describe_model(wanted, tokenizer_only=tinker)}")  # a dry run downloads nothing
+    if cfg.distill.teacher is not None:
+        print(f"# {describe_teacher(cfg)}")
     print("# gateway.yaml (the gateway's own config, validated by it):")
     gateway = redacted(gateway_section(cfg, cfg.model.path, address))
     print("".join(f"#   {line}\n" for line in yaml.safe_dump(gateway, sort_keys=False).splitlines()), end="")
@@ -257,7 +284,8 @@ def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> int:
         )
         print("# commands (srun steps, run concurrently with --overlap):")
     for comp in build_components(cfg, run_dir, cfg.model.path, placement, job.job_id if job else 0):
-        print(f"{comp.name}: {' '.join(shlex.quote(a) for a in comp.argv)}")
+        env = [f"{k}={shlex.quote(v)}" for k, v in comp.env.items()]  # W&B's identity of the process
+        print(f"{comp.name}: {' '.join([*env, *(shlex.quote(a) for a in comp.argv)])}")
     if cfg.rollout.envs:
         print("".join(f"# {line}\n" for line in env_share_lines(cfg)), end="")
     lines, problems = plan_memory(cfg, cfg.model.path, gateway, dry_run=True)
@@ -268,6 +296,27 @@ def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> int:
         )
         return 2
     return 0
+
+
+def describe_teacher(cfg: RunConfig) -> str:
+    """The dry run's line on the distillation teacher (resolved into cfg, so that the memory plan counts it)."""
+    from trainer.orchestration.preflight import describe_model
+
+    assert cfg.distill.teacher is not None
+    try:
+        cfg.distill.teacher = resolve_teacher(cfg.distill.teacher)
+    except ConfigError as exc:
+        return f"distill.teacher: {exc}"
+    if cfg.distill.by_url:  # not asked here: a dry run contacts nothing
+        model = cfg.distill.teacher_model or "its only base model"
+        token = "with a token" if api_key(cfg.distill.teacher_api_key) else "without a token"
+        return f"distill.teacher: a vLLM server at {cfg.distill.teacher} ({model}, {token}), outside the plan below"
+    if teacher_kind(cfg.distill.teacher) == "adapter":
+        return f"distill.teacher: a LoRA adapter on the base, scored in the trainer: {cfg.distill.teacher}"
+    if cfg.launch.backend == "tinker":
+        return f"distill.teacher: scored on Tinker by a sampling client of {cfg.distill.teacher}"
+    where = describe_model(cfg.distill.teacher).removeprefix("model: ")
+    return f"distill.teacher: a model of its own, scored in the trainer (weights in the plan below): {where}"
 
 
 def check_memory(cfg: RunConfig, model_path: str) -> None:
@@ -372,6 +421,8 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
         cfg.eval.every_steps = 0
     if dry_run:
         return print_dry_run(cfg, run_dir, job)
+    if not cfg.launch.wandb:  # no process of the run logs to W&B, whatever an environment file asks for
+        os.environ["WANDB_MODE"] = "disabled"
     done = read_latest(run_dir) if resumed else None
     if done is not None and done[1].step >= cfg.rollout.num_steps:
         print(
@@ -391,6 +442,11 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     print(f"run folder: {run_dir}{' (resumed)' if resumed else ''}", flush=True)
+    if cfg.launch.wandb:
+        print(
+            wandb_group.describe(run_dir, cfg.launch.wandb_project, components[-1].env["WANDB_MODE"]),
+            flush=True,
+        )
     ended = "failed"
     dashboard = start_dashboard(cfg, run_dir)  # a viewer: stopped with the run, never restarted
     try:

@@ -217,7 +217,11 @@ class DistributedConfig(_Section):
 class EnvEntry(_Section):
     """One environment of a mixed run (`rollout.envs`); unset fields take the rollout section's value."""
 
-    env: str = Field(..., description="environments/<name>.py, or a path to any Atropos environment file")
+    env: str = Field(
+        ...,
+        description="environments/<name>.py, a path to any Atropos environment file, or vf:<id or file.py> (a "
+        "verifiers environment)",
+    )
     name: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9_.-]+$",
@@ -242,6 +246,9 @@ class EnvEntry(_Section):
     )
 
 
+VERIFIERS_PREFIX = "vf:"  # rollout.env=vf:ID names a verifiers environment
+
+
 @dataclass(frozen=True)
 class EnvSpec:
     """One environment of the run with every setting resolved: what commands, metrics and evaluation iterate."""
@@ -256,14 +263,20 @@ class EnvSpec:
     workers: int
 
     @property
+    def is_verifiers(self) -> bool:
+        """`vf:<id or file.py>`: a verifiers environment, run by environments.verifiers_runner in its own venv."""
+        return self.env.startswith(VERIFIERS_PREFIX)
+
+    @property
     def is_file(self) -> bool:
-        return self.env.endswith(".py")
+        return not self.is_verifiers and self.env.endswith(".py")
 
 
 class RolloutConfig(_Section):
     env: str = Field(
         "toy",
-        description="environments/<name>.py, or a path to any Atropos environment file (the one-environment case; "
+        description="environments/<name>.py, a path to any Atropos environment file, or vf:<id or file.py> (a "
+        "verifiers environment; the one-environment case; "
         "rollout.envs mixes several)",
     )
     envs: list[EnvEntry] = Field(
@@ -351,7 +364,7 @@ class RolloutConfig(_Section):
         total = math.fsum(e.weight for e in entries)
         return [
             EnvSpec(
-                name=e.name or Path(e.env).stem,
+                name=e.name or Path(e.env.removeprefix(VERIFIERS_PREFIX)).stem,
                 env=e.env,
                 weight=e.weight,
                 share=e.weight / total,
@@ -378,13 +391,35 @@ class RolloutConfig(_Section):
         return out
 
 
+def is_url_teacher(teacher: str) -> bool:
+    """distill.teacher names a server (trainer/training/teacher_http.py) rather than weights the trainer loads."""
+    return teacher.startswith(("http://", "https://"))
+
+
 class DistillConfig(_Section):
     """On-policy distillation (trainer/training/distill.py): a teacher scores the student's sampled tokens."""
 
     teacher: str | None = Field(
         None,
-        description="a LoRA adapter on model.path to distill from: a PEFT folder, or a run folder (its newest "
-        "adapter); None = no distillation",
+        description="what to distill from: a LoRA adapter on model.path (a PEFT folder, or a run folder: its newest "
+        "adapter), a model of its own sharing the student's tokenizer (a folder or a hub id, fetched like "
+        "model.path), or the http(s):// URL of a running vLLM OpenAI-compatible server; None = no distillation",
+    )
+    teacher_model: str | None = Field(
+        None,
+        description="a URL teacher's served model name; None = the server's only (base) model",
+    )
+    teacher_api_key: str | None = Field(
+        None,
+        description="a URL teacher's bearer token (never printed); None = $DISTILL_TEACHER_API_KEY, or none",
+    )
+    teacher_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="a URL teacher's per-request timeout, seconds (retried within trainer.retry_budget_s)",
+    )
+    teacher_batch_tokens: int = Field(
+        65536, ge=1, description="a URL teacher's request size: sequences x longest, in tokens, per request"
     )
     kl_coef: float = Field(
         1.0, gt=0, description="weight of the teacher term: kl_coef x (teacher - sampler logprob)"
@@ -396,6 +431,20 @@ class DistillConfig(_Section):
     @property
     def on(self) -> bool:
         return self.teacher is not None
+
+    @property
+    def by_url(self) -> bool:
+        """The teacher is a server (trainer/training/teacher_http.py), not weights the trainer loads."""
+        return self.teacher is not None and is_url_teacher(self.teacher)
+
+    @model_validator(mode="after")
+    def _url_keys_need_a_url(self) -> DistillConfig:
+        if not self.by_url and (self.teacher_model is not None or self.teacher_api_key is not None):
+            raise ValueError(
+                "distill.teacher_model and distill.teacher_api_key apply to a teacher behind a URL "
+                f"(distill.teacher: http(s)://HOST:PORT), not distill.teacher={self.teacher!r}"
+            )
+        return self
 
 
 class EvalConfig(_Section):
@@ -473,7 +522,9 @@ class LaunchConfig(_Section):
         "long as it lasts); 0 = never",
     )
     wandb: bool = Field(
-        False, description="also log metrics to Weights & Biases (offline unless WANDB_MODE says)"
+        False,
+        description="also log the trainer's, the environments' and the evaluations' metrics to Weights & Biases, "
+        "one group per run; online with a W&B login, else offline, unless WANDB_MODE says",
     )
     wandb_project: str = Field("rl-lora", description="W&B project")
     slurm_bind_host: str = Field(
@@ -589,11 +640,14 @@ class RunConfig(_Section):
                 )
         if self.loss.tis_cap is not None and self.loss.name not in RATIO_LOSSES:
             raise ValueError(f"loss.tis_cap applies to ratio losses, not loss.name={self.loss.name!r}")
-        if self.distill.on and self.launch.backend != "local":
-            raise ValueError(
-                "distill.teacher with launch.backend=tinker: the teacher is scored in the local trainer's model; "
-                "distil with launch.backend=local"
-            )
+        if self.distill.teacher is not None and self.launch.backend == "tinker":
+            where = Path(self.distill.teacher).expanduser()
+            if where.exists() or self.distill.teacher.startswith(("/", ".", "~", "http://", "https://")):
+                raise ValueError(
+                    f"distill.teacher={self.distill.teacher!r} with launch.backend=tinker: the teacher must live on "
+                    "Tinker, as a sampler checkpoint (tinker://...) or a base model Tinker serves; a local teacher "
+                    "needs launch.backend=local"
+                )
         if self.distill.on and self.distributed.world_size > 1:
             raise ValueError(
                 f"distill.teacher with {self.distributed.world_size} data-parallel ranks: distillation runs in one "

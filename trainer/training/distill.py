@@ -18,16 +18,18 @@ from typing import Literal
 
 from trainer.training.batch import TrainingExample
 from trainer.training.checkpoints import VERSION_DIR
-from trainer.training.config import ConfigError
+from trainer.training.config import ConfigError, is_url_teacher
 
-TeacherKind = Literal["adapter", "model", "tinker"]
+TeacherKind = Literal["adapter", "model", "tinker", "url"]
 TINKER_SCHEME = "tinker://"  # a sampler checkpoint on Tinker (--backend tinker)
 
 
 def resolve_teacher(path: str) -> str:
-    """distill.teacher as what the trainer loads: a PEFT adapter folder as given, a run folder's newest adapter, or
-    anything else as a whole model (a folder with config.json, `tiny`, or a hub id the launcher fetches like
-    model.path)."""
+    """distill.teacher as what the trainer loads: a PEFT adapter folder as given, a run folder's newest adapter, a
+    server's URL as given (trainer/training/teacher_http.py), or anything else as a whole model (a folder with
+    config.json, `tiny`, or a hub id the launcher fetches like model.path)."""
+    if is_url_teacher(path):
+        return path
     if path.startswith(TINKER_SCHEME):
         return path
     folder = Path(path).expanduser()
@@ -50,9 +52,12 @@ def resolve_teacher(path: str) -> str:
 
 def teacher_kind(resolved: str) -> TeacherKind:
     """What resolve_teacher's answer names: a LoRA adapter on the student's base, a model of its own (a folder or a
-    hub id; with --backend tinker, a base model Tinker serves), or a sampler checkpoint on Tinker."""
+    hub id; with --backend tinker, a base model Tinker serves), a sampler checkpoint on Tinker, or a vLLM server's
+    URL (trainer/training/teacher_http.py)."""
     if resolved.startswith(TINKER_SCHEME):
         return "tinker"
+    if is_url_teacher(resolved):
+        return "url"
     return "adapter" if (Path(resolved) / "adapter_config.json").is_file() else "model"
 
 

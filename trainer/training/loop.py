@@ -53,6 +53,7 @@ from trainer.training.polling import wait_until
 from trainer.training.publishing import Publisher, PublishOutcome
 from trainer.training.retries import ComponentDown, Edge, checked, describe
 from trainer.training.schedule import build_adam_params
+from trainer.training.wandb_group import TRAINER, current_mode, wandb_group, wandb_run_id
 
 log = logging.getLogger("trainer.training.loop")
 
@@ -123,7 +124,7 @@ class RunApi:
         self.step = starting_step
         cfg = self.cfg
         body = {
-            "wandb_group": Path(cfg.trainer.output_dir).name,
+            "wandb_group": wandb_group(Path(cfg.trainer.output_dir)),  # the environments' W&B runs join it
             "wandb_project": cfg.launch.wandb_project,
             "batch_size": cfg.rollout.batch_size,
             # -1: atroposlib drops a whole group when any sequence reaches max_token_len, which a completion cut
@@ -191,61 +192,35 @@ class RunApi:
 
 
 class MetricsWriter:
+    """metrics.jsonl, and with launch.wandb the trainer's run of the run's W&B group (trainer.training.wandb_group;
+    the evaluations have a run of their own there, written by the launcher)."""
+
     def __init__(self, path: Path, use_wandb: bool, cfg: RunConfig):
         self.path = path
         self._wandb = None
-        # Bytes of RUN_DIR/eval.jsonl already logged: a resumed trainer's predecessor logged those before it.
-        eval_file = path.parent / "eval.jsonl"
-        self._eval_read = eval_file.stat().st_size if eval_file.exists() else 0
         if use_wandb:
             import wandb
 
-            # WANDB_MODE=offline (launch.sh's default) keeps it local: runs sync later with `wandb sync`.
+            # Online with a W&B login, else offline under RUN_DIR/wandb, unless WANDB_MODE says otherwise.
+            run_dir = path.parent
             self._wandb = wandb.init(
                 project=cfg.launch.wandb_project,
-                name=path.parent.name,
-                dir=str(path.parent),
+                group=wandb_group(run_dir),
+                job_type=TRAINER,
+                name=f"{wandb_group(run_dir)}-{TRAINER}",
+                id=wandb_run_id(run_dir, TRAINER),
+                dir=str(run_dir),
+                mode=current_mode(),  # type: ignore[arg-type]
                 config=cfg.model_dump(mode="json"),
                 resume="allow",
+                reinit="create_new",  # beside any other run of this process
             )
 
     def write(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self._wandb is not None:
-            logged = {k: v for k, v in row.items() if v is not None}
-            # The launcher's evaluations (RUN_DIR/eval.jsonl) reach W&B through this one writer, at the step
-            # they finished by; eval/step says which step's policy each one evaluated.
-            for evaluation in self._new_evaluations():
-                logged.update(evaluation)
-            self._wandb.log(logged, step=row["step"])
-
-    def _new_evaluations(self) -> list[dict[str, float]]:
-        path = self.path.parent / "eval.jsonl"
-        try:
-            with path.open("rb") as f:
-                f.seek(self._eval_read)
-                text = f.read()
-        except OSError:
-            return []
-        complete = text[: text.rfind(b"\n") + 1]
-        self._eval_read += len(complete)
-        found = []
-        for line in complete.decode(errors="replace").splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(entry, dict) and entry.get("status") == "ok":
-                numbers = {
-                    k: float(v)
-                    for k, v in entry.items()
-                    if k.startswith(("eval/", "reported/"))
-                    and isinstance(v, int | float)
-                    and not isinstance(v, bool)
-                }
-                found.append({**numbers, "eval/step": float(entry.get("step") or 0)})
-        return found
+            self._wandb.log({k: v for k, v in row.items() if v is not None}, step=row["step"])
 
     def close(self) -> None:
         if self._wandb is not None:

@@ -351,3 +351,166 @@ def test_a_session_that_stops_heartbeating_is_released_and_live_ones_stay(launch
         ],
         "cross_entropy",
     ).result()
+
+
+def rest(url: str) -> Any:
+    return tinker.RestClient(base_url=url, api_key="tml-local-test")
+
+
+def test_server_capabilities_list_the_served_model(launched):
+    url, _, _ = launched
+    models = rest(url).get_server_capabilities().result().supported_models
+    assert [m.model_name for m in models] == ["tiny"], models
+    assert models[0].trainable and models[0].sampleable and (models[0].max_context_length or 0) > 0
+    with pytest.warns(FutureWarning):  # Tinker's quickstart still calls it on the ServiceClient (deprecated)
+        assert client(url).get_server_capabilities().supported_models == models
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def cookbook(monkeypatch) -> Any:
+    """tinker-cookbook 0.6.1, run unmodified against this service: it reads the key from the environment, loads the
+    tokenizer by model name (the tiny one registered here) and asks a web page for prices (not from a test)."""
+    pytest.importorskip("tinker_cookbook", reason="tests/run.sh installs tinker-cookbook 0.6.1 (--no-deps)")
+    from tinker_cookbook.rl import train as rl_train
+
+    from tests.integration import cookbook_toy
+
+    monkeypatch.setenv("TINKER_API_KEY", "tml-local-test")
+    monkeypatch.setattr(rl_train, "fetch_model_pricing", lambda *_, **__: None)
+    cookbook_toy.register_tiny_tokenizer()
+    return cookbook_toy
+
+
+def test_the_cookbook_rl_loop_learns_with_its_default_loss_and_deletes_rolling_checkpoints(
+    launched, cookbook, tmp_path
+):
+    """tinker_cookbook.rl.train.main in async mode, whose default loss is stable_reinforce (the default of the
+    cookbook's recipes too): samples with record_stability_info, trains on provenance, checkpoints every step
+    (rolling, deleted as the next one lands) and periodically (kept, with a TTL)."""
+    import asyncio
+
+    from tinker_cookbook.rl import train as rl_train
+
+    url, _, _ = launched
+    steps, save_every = 12, 5
+    config = rl_train.Config(
+        learning_rate=2e-2,
+        dataset_builder=cookbook.ToyDatasetBuilder(
+            batches=steps, groups_per_batch=8, group_size=8, max_tokens=16
+        ),
+        model_name=cookbook.MODEL,
+        recipe_name="test_toy",
+        renderer_name=cookbook.RENDERER,
+        max_tokens=16,
+        log_path=str(tmp_path / "rl"),
+        base_url=url,
+        lora_rank=8,
+        eval_every=0,
+        save_every=save_every,
+        rolling_save_every=1,
+        num_groups_to_log=0,
+        async_config=rl_train.AsyncConfig(max_steps_off_policy=0, groups_per_batch=8),
+    )
+    assert config.training_loss_fn() == "stable_reinforce"
+    asyncio.run(rl_train.main(config))
+    rows = jsonl(tmp_path / "rl" / "metrics.jsonl")
+    rewards = [row["env/all/reward/total"] for row in rows if "env/all/reward/total" in row]
+    print("cookbook rl rewards per step:", [round(r, 3) for r in rewards])
+    assert len(rewards) == steps and rewards[0] < 0.3
+    assert sum(rewards[-3:]) / 3 > rewards[0] + 0.2, rewards
+    saved = jsonl(tmp_path / "rl" / "checkpoints.jsonl")
+    rolling = {row["state_path"] for row in saved if row.get("rolling")}
+    assert len(rolling) >= steps - 2, saved  # one per step but the periodic ones
+    run_id = types.ParsedCheckpointTinkerPath.from_tinker_path(saved[-1]["state_path"]).training_run_id
+    kept = {c.tinker_path: c for c in rest(url).list_checkpoints(run_id).result().checkpoints}
+    assert not rolling & set(kept), sorted(rolling & set(kept))
+    final = [row for row in saved if row["name"] == "final"]
+    assert final and final[0]["state_path"] in kept and kept[final[0]["state_path"]].expires_at is None
+    periodic = [kept[row["state_path"]] for row in saved if row["name"] == f"{save_every:06d}"]
+    assert periodic and periodic[0].expires_at is not None  # the cookbook's 7-day TTL
+
+
+def test_the_cookbook_gspo_loop_completes(launched, cookbook, tmp_path, monkeypatch):
+    """The cookbook's gspo path (recipes/rl_loop.py, which sends sequence_ratio_mask) on the toy reward: its data set
+    and grader are GSM8K's (a download and a \\boxed{} answer no random model writes), replaced here."""
+    import datasets
+    from tinker_cookbook import model_info
+    from tinker_cookbook.recipes import rl_loop
+
+    url, out, _ = launched
+    prompts = datasets.Dataset.from_list(
+        [{"question": f"Count to {i}.", "answer": "#### 0"} for i in range(4)]
+    )
+    monkeypatch.setattr(datasets, "load_dataset", lambda *_, **__: datasets.DatasetDict(train=prompts))
+    monkeypatch.setattr(model_info, "get_recommended_renderer_name", lambda _: cookbook.RENDERER)
+    monkeypatch.setattr(rl_loop, "get_reward", lambda text, _: cookbook.toy_text_reward(text, 16))
+    config = rl_loop.Config(
+        base_url=url,
+        log_path=str(tmp_path / "gspo"),
+        model_name=cookbook.MODEL,
+        batch_size=2,
+        group_size=4,
+        learning_rate=1e-2,
+        lora_rank=8,
+        max_tokens=16,
+        loss_fn="gspo",
+        max_steps=2,
+    )
+    rl_loop.main(config)
+    assert len([row for row in jsonl(tmp_path / "gspo" / "metrics.jsonl") if "reward/total" in row]) == 2
+    assert [row["name"] for row in jsonl(tmp_path / "gspo" / "checkpoints.jsonl")] == ["final"]
+    trained = [
+        row
+        for folder in out.iterdir()
+        if (folder / "metrics.jsonl").is_file()
+        for row in jsonl(folder / "metrics.jsonl")
+        if row.get("loss_fn") == "gspo"
+    ]
+    assert trained, "the service trained with gspo"
+
+
+def test_the_cookbook_off_policy_distillation_completes(launched, cookbook, tmp_path):
+    """tinker_cookbook.distillation.train_off_policy: the teacher's top-20 prompt logprobs become (N, 20) soft
+    cross_entropy targets; on the cookbook's own example conversations."""
+    import asyncio
+    from importlib.resources import files
+
+    from tinker_cookbook.distillation import train_off_policy
+    from tinker_cookbook.distillation.datasets import TeacherConfig
+    from tinker_cookbook.supervised.data import FromConversationFileBuilder
+    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+    url, _, _ = launched
+    conversations = files("tinker_cookbook") / "example_data" / "conversations.jsonl"
+    common = ChatDatasetBuilderCommonConfig(
+        model_name_for_tokenizer=cookbook.MODEL, renderer_name=cookbook.RENDERER, max_length=64, batch_size=4
+    )
+    config = train_off_policy.Config(
+        learning_rate=1e-3,
+        dataset_configs=[
+            train_off_policy.DatasetWithTeacher(
+                dataset_builder=FromConversationFileBuilder(
+                    common_config=common, file_path=str(conversations)
+                ),
+                teacher_config=TeacherConfig(base_model=cookbook.MODEL),
+            )
+        ],
+        model_name=cookbook.MODEL,
+        recipe_name="test_distill",
+        renderer_name=cookbook.RENDERER,
+        lora_rank=8,
+        batch_size=4,
+        max_steps=2,
+        save_every=0,
+        eval_every=0,
+        log_path=str(tmp_path / "distill"),
+        base_url=url,
+    )
+    asyncio.run(train_off_policy.main(config))
+    rows = jsonl(tmp_path / "distill" / "metrics.jsonl")
+    losses = [row["train/loss:sum"] for row in rows if "train/loss:sum" in row]
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses), losses

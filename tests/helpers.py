@@ -238,6 +238,18 @@ def make_cfg(tmp_path: Path, **over) -> RunConfig:
     return RunConfig.model_validate(data)
 
 
+def trained_token_logprobs(model: Any, examples: list[Any]) -> list[list[float]]:
+    """A reference scorer: `model`'s log p(target_t | prefix) of each trained token of each TrainingExample (0.0
+    elsewhere), one sequence at a time with no padding, in the model's own dtype (tests load it in float64)."""
+    rows = []
+    with torch.no_grad():
+        for ex in examples:
+            logits = model(input_ids=torch.tensor([ex.input_ids])).logits[0]
+            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ex.target_ids)[:, None])[:, 0]
+            rows.append([float(v) if m else 0.0 for v, m in zip(lp, ex.loss_mask, strict=True)])
+    return rows
+
+
 def lora_state(backend: Any) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in backend.model.named_parameters() if p.requires_grad}
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import SHARED_VLLM_KEY
-from tests.helpers import FIXTURE, make_cfg
+from tests.helpers import FIXTURE, make_cfg, trained_token_logprobs
 from trainer.training.batch import IntakeOptions, TrainingExample, convert_batch
 from trainer.training.gateway_client import GatewayClient
 from trainer.training.teacher_http import UrlTeacher, preflight_url_teacher
@@ -41,13 +41,7 @@ def float64_logprobs(model_path, examples: list[TrainingExample]) -> list[list[f
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval()
-    rows = []
-    with torch.no_grad():
-        for ex in examples:
-            logits = model(input_ids=torch.tensor([ex.input_ids])).logits[0]
-            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ex.target_ids)[:, None])[:, 0]
-            rows.append([float(v) if m else 0.0 for v, m in zip(lp, ex.loss_mask, strict=True)])
-    return rows
+    return trained_token_logprobs(model, examples)
 
 
 def test_url_teacher_logprobs_match_a_float64_forward_of_the_served_model(

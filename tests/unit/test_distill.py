@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import FIXTURE, lora_state, make_cfg
+from tests.helpers import FIXTURE, lora_state, make_cfg, trained_token_logprobs
 from trainer.backends.local import LocalBackend, resolve_model_path
 from trainer.training.batch import IntakeOptions, TrainingExample, convert_batch
 from trainer.training.distill import distill_examples
@@ -67,14 +67,7 @@ def reference_logprobs(teacher_dir, examples) -> list[list[float]]:
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"), dtype=torch.float64)
-    model = PeftModel.from_pretrained(base, str(teacher_dir)).eval()
-    rows = []
-    with torch.no_grad():
-        for ex in examples:
-            logits = model(input_ids=torch.tensor([ex.input_ids])).logits[0]
-            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ex.target_ids)[:, None])[:, 0]
-            rows.append([float(v) if m else 0.0 for v, m in zip(lp, ex.loss_mask, strict=True)])
-    return rows
+    return trained_token_logprobs(PeftModel.from_pretrained(base, str(teacher_dir)).eval(), examples)
 
 
 def test_teacher_logprobs_match_the_teacher_alone_and_leave_the_student_as_it_trains(
@@ -187,13 +180,7 @@ def float64_logprobs(model_dir, examples) -> list[list[float]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-    rows = []
-    with torch.no_grad():
-        for ex in examples:
-            logits = model(input_ids=torch.tensor([ex.input_ids])).logits[0]
-            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ex.target_ids)[:, None])[:, 0]
-            rows.append([float(v) if m else 0.0 for v, m in zip(lp, ex.loss_mask, strict=True)])
-    return rows
+    return trained_token_logprobs(model, examples)
 
 
 def worst_gap(a: list[list[float]], b: list[list[float]]) -> float:

@@ -20,7 +20,7 @@ from inference.config import GatewayConfig  # noqa: E402
 from inference.policy.registry import PolicyRegistry  # noqa: E402
 from inference.samplers.tinker import TinkerSamplingBackend  # noqa: E402
 from tests.fake_tinker import make_service_client  # noqa: E402
-from tests.helpers import FIXTURE  # noqa: E402
+from tests.helpers import FIXTURE, trained_token_logprobs  # noqa: E402
 from trainer.backends.tinker import TinkerBackend, wait  # noqa: E402
 from trainer.training.batch import IntakeOptions, convert_batch  # noqa: E402
 from trainer.training.config import ConfigError, RunConfig, load_config  # noqa: E402
@@ -121,13 +121,8 @@ def test_a_teacher_on_tinker_scores_the_trained_tokens_and_distillation_trains(
     assert isinstance(backend, TeacherScoring)
     got = backend.teacher_logprobs(examples)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"), dtype=torch.float64).eval()
-    with torch.no_grad():
-        for ex, row in zip(examples, got, strict=True):
-            lp = torch.log_softmax(model(input_ids=torch.tensor([ex.input_ids])).logits[0], -1)
-            want = lp.gather(1, torch.tensor(ex.target_ids)[:, None])[:, 0]
-            assert len(row) == len(ex.target_ids)
-            for t, m in enumerate(ex.loss_mask):
-                assert row[t] == (pytest.approx(float(want[t]), abs=1e-4) if m else 0.0), t
+    for row, want in zip(got, trained_token_logprobs(model, examples), strict=True):
+        assert row == pytest.approx(want, abs=1e-4)
     distilled, metrics = distill_examples(examples, got, kl_coef=1.0, reward_coef=0.0)
     assert metrics["distill/tokens_scored"] > 0
     _, optim = backend.train_step(distilled, LossParams("importance_sampling"), "sum", adam_params(1e-2))

@@ -33,7 +33,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from trainer.service.checkpoints import Catalog, install, parse_save_options, parse_user_metadata
+from trainer.service.checkpoints import Catalog, install, json_body, parse_save_options, parse_user_metadata
 from trainer.service.policies import LoraSpec, MultiLora
 from trainer.service.sampling import (
     GatewaySampler,
@@ -566,16 +566,6 @@ class Service:
             f.write(json.dumps({"unix_time": time.time(), "model_id": model_id, **row}) + "\n")
 
 
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError as exc:
-        raise UserError(f"the body is not JSON ({exc})") from None
-    if not isinstance(body, dict):
-        raise UserError("the body must be a JSON object")
-    return body
-
-
 def _field(body: dict[str, Any], key: str, kind: type) -> Any:
     value = body.get(key)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
@@ -657,7 +647,7 @@ def session_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/session_heartbeat")
     async def heartbeat(request: Request) -> JSONResponse:
-        session_id = _field(await _json(request), "session_id", str)
+        session_id = _field(await json_body(request), "session_id", str)
         if (
             session_id not in service.beats
         ):  # expired, closed, or from before a restart: the SDK stops beating
@@ -672,7 +662,7 @@ def session_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
-        return await service.retrieve(_field(await _json(request), "request_id", str))
+        return await service.retrieve(_field(await json_body(request), "request_id", str))
 
     return router
 
@@ -683,7 +673,7 @@ def training_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/create_model")
     async def create_model(request: Request) -> dict[str, str]:
-        body = await _json(request)
+        body = await json_body(request)
         model_id = _new_model_id(body)
         base, lora = body.get("base_model"), body.get("lora_config") or {}
         if not isinstance(lora, dict):
@@ -696,7 +686,7 @@ def training_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        return service.info(_field(await _json(request), "model_id", str))
+        return service.info(_field(await json_body(request), "model_id", str))
 
     @router.post(f"{API}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, str]:
@@ -715,7 +705,7 @@ def training_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/optim_step")
     async def optim_step(request: Request) -> dict[str, str]:
-        body = await _json(request)
+        body = await json_body(request)
         model_id, seq_id = _call_of(body)
         adam = body.get("adam_params")
         if adam is None and body.get("optimizer_params") is not None:
@@ -734,7 +724,7 @@ def weights_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/save_weights")
     async def save_weights(request: Request) -> dict[str, str]:
-        body = await _json(request)
+        body = await json_body(request)
         (model_id, seq_id), name = _call_of(body), _field(body, "path", str)
         return {
             "request_id": service.submit(lambda: service.save_state(model_id, name, body), model_id, seq_id)
@@ -742,7 +732,7 @@ def weights_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/load_weights")
     async def load_weights(request: Request) -> dict[str, str]:
-        body = await _json(request)
+        body = await json_body(request)
         path, optimizer = _field(body, "path", str), bool(body.get("optimizer", False))
         if "model_id" in body:
             model_id, seq_id = _call_of(body)
@@ -755,7 +745,7 @@ def weights_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, str]:
-        body = await _json(request)
+        body = await json_body(request)
         (model_id, seq_id), name = _call_of(body), body.get("path")
         session_seq = body.get("sampling_session_seq_id")
         request_id = service.submit(
@@ -774,7 +764,7 @@ def sampling_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, str]:
-        return {"sampling_session_id": service.create_sampler(await _json(request))}
+        return {"sampling_session_id": service.create_sampler(await json_body(request))}
 
     @router.get(f"{API}/samplers/{{sampler_id}}")
     async def get_sampler(sampler_id: str) -> dict[str, Any]:
@@ -785,7 +775,7 @@ def sampling_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        body = await _json(request)
+        body = await json_body(request)
         sampler_id = _field(body, "sampling_session_id", str)
         n = body.get("num_samples", 1)
         count = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 1024 else 1

@@ -393,7 +393,8 @@ def _page(
     return items[offset : offset + limit], {"offset": offset, "limit": limit, "total_count": len(items)}
 
 
-async def _body(request: Request) -> dict[str, Any]:
+async def json_body(request: Request) -> dict[str, Any]:
+    """A request's JSON object body (an empty body is {}); anything else is the caller's error."""
     try:
         body = json.loads(await request.body() or b"{}")
     except ValueError as exc:
@@ -423,7 +424,7 @@ def runs_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:
-        return catalog.weights_info((await _body(request)).get("tinker_path"))
+        return catalog.weights_info((await json_body(request)).get("tinker_path"))
 
     return router
 
@@ -450,7 +451,7 @@ def checkpoint_routes(service: Service) -> APIRouter:
 
     @router.put(f"{one}/ttl")
     async def set_ttl(run_id: str, kind: str, name: str, request: Request) -> JSONResponse:
-        ttl = parse_ttl((await _body(request)).get("ttl_seconds"), "set_checkpoint_ttl")
+        ttl = parse_ttl((await json_body(request)).get("ttl_seconds"), "set_checkpoint_ttl")
         catalog.set_ttl(run_id, f"{kind}/{name}", ttl)
         return JSONResponse(None)
 

@@ -150,6 +150,12 @@ def test_summary_idle_share_and_rewards():
     s = summarize(rows)
     assert s["idle_share"] == pytest.approx(0.5 / 1.9) and s["publish_share"] == 0.0
     assert s["verify_share_of_publish"] == pytest.approx(0.1) and s["publish_overlapped_share"] == 1.0
+    assert s["teacher_kl_first3"] is None and s["teacher_tokens_scored_total"] is None  # no teacher
+    for i, r in enumerate(rows):  # a distillation run: the teacher KL falls 6, 5, 4, ... 1
+        r.update({"distill/teacher_kl": 6.0 - i, "distill/teacher_s": 0.2, "distill/tokens_scored": 10.0})
+    s = summarize(rows)
+    assert s["teacher_kl_first3"] == 5.0 and s["teacher_kl_last3"] == 2.0 and s["teacher_s_median"] == 0.2
+    assert s["teacher_tokens_scored_total"] == 60.0
 
 
 def test_metrics_writer_with_wandb_offline(tmp_path, monkeypatch):

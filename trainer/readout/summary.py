@@ -1,6 +1,7 @@
 """Summarise a run folder's metrics.jsonl as JSON: time per step split into wait/train/publish (medians), the
 trainer's idle share (wall time of steps spent neither training nor publishing inline), publish p50/p99 and its
-verification cost, the stale fraction, reward at the start and end and when it first reached 0.8.
+verification cost, the stale fraction, reward at the start and end and when it first reached 0.8, and for a
+distillation run the teacher KL at the start and the end and the teacher's seconds per step.
 
     python -m trainer summary runs/toy-20261121-213950 [more run folders...]
 
@@ -60,6 +61,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     staleness = numbers(rows, "policy/staleness_mean")
     verify_diffs = numbers(updates, "publish/verify_max_abs_diff")
     logprob_diffs = numbers(updates, "importance/logprob_diff_mean")
+    teacher_kl = numbers(rows, "distill/teacher_kl")
     return {
         "steps": len(rows),
         "updates": len(updates),
@@ -90,6 +92,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "step_reaching_reward_0.8": reached.get("step") if reached else None,
         "wall_s_to_reward_0.8": _wall_s(reached) if reached else None,
         "logprob_diff_mean_max": max(logprob_diffs, default=None),
+        # distillation (None without a teacher): the reverse KL to the teacher at the start and the end
+        "teacher_kl_first3": statistics.fmean(teacher_kl[:3]) if teacher_kl else None,
+        "teacher_kl_last3": statistics.fmean(teacher_kl[-3:]) if teacher_kl else None,
+        "teacher_s_median": med("distill/teacher_s"),
+        "teacher_tokens_scored_total": total("distill/tokens_scored") if teacher_kl else None,
         "wall_s": _wall_s(rows[-1]) if rows else None,
     }
 

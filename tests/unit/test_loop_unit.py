@@ -252,3 +252,34 @@ def test_resuming_a_finished_run_starts_nothing_and_exits_0(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "already finished" in out and "step 30 of 30" in out
     assert not (run / "logs").exists() and not (run / "pids.json").exists()
+
+
+def test_a_multi_turn_sequence_gets_its_oldest_turns_version():
+    """An episode that spans a publish: its first turn's prompt+reply was recorded under version 4, its last under
+    5. The sequence counts as version 4 (so the staleness window sees it); single-turn sequences, a turn the ledger
+    does not know, and an unknown whole sequence keep their own answer."""
+    from trainer.training.batch import IGNORE_INDEX, earlier_turn_ends
+    from trainer.training.loop import ABANDONED, versions_by_group
+
+    P = IGNORE_INDEX
+    multi = [1, 2, 3, 4, 5, 6, 7, 8]
+    multi_mask = [P, P, 3, 4, P, P, 7, 8]  # prompt, reply, user turn, reply
+    single, single_mask = [1, 2, 9, 9], [P, P, 9, 9]
+    ledger = {tuple(multi): 5, tuple(multi[:4]): 4, tuple(single): 5, (7, 7, 7, 7): 3, (7, 7): ABANDONED}
+    asked: list[list[list[int]]] = []
+
+    class Ledger:
+        def lookup(self, sequences: list[list[int]]) -> list[int | None]:
+            asked.append(sequences)
+            return [ledger.get(tuple(s)) for s in sequences]
+
+    assert earlier_turn_ends(multi_mask) == [4] and earlier_turn_ends(single_mask) == []
+    unknown_turn = [1, 2, 3, 4, 5, 6, 7, 9]  # whole sequence unknown: stays unknown
+    groups = [
+        {"tokens": [multi, single], "masks": [multi_mask, single_mask]},
+        {"tokens": [unknown_turn, [7, 7, 7, 7]], "masks": [multi_mask, [P, 7, P, 7]]},
+    ]
+    assert versions_by_group(Ledger(), groups) == [[4, 5], [None, ABANDONED]]  # type: ignore[arg-type]
+    assert len(asked) == 1 and len(asked[0]) == 4 + 3  # one lookup: 4 sequences and 3 earlier turns
+    # Masks missing or of another length (a malformed group, dropped later): the sequence's own version only.
+    assert versions_by_group(Ledger(), [{"tokens": [multi], "masks": [[P]]}]) == [[5]]  # type: ignore[arg-type]

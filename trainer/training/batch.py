@@ -407,6 +407,16 @@ def examples_to_tensors(examples: list[TrainingExample], pad_id: int = 0) -> dic
     }
 
 
+def earlier_turn_ends(masks: Any) -> list[int]:
+    """Where a multi-turn sequence's earlier sampled turns end: the prefix lengths after each run of trained
+    positions (mask != IGNORE_INDEX) that an environment turn (IGNORE_INDEX) follows. Each such prefix is what the
+    sampler answered at that turn (its prompt and reply), so it has a policy version of its own. A single-turn
+    sequence: []."""
+    if not isinstance(masks, list):
+        return []
+    return [t for t in range(1, len(masks)) if masks[t - 1] != IGNORE_INDEX and masks[t] == IGNORE_INDEX]
+
+
 def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     """Group example indices so that (count x longest) padded tokens stay within token_budget.
 

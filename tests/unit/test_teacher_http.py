@@ -269,14 +269,16 @@ def test_preflight_accepts_the_students_tokenizer_and_refuses_another(
 
 
 def test_the_trainer_scores_a_url_teacher_through_the_server_beside_its_own_backend(tmp_path):
-    from trainer.backends.build import WithUrlTeacher, build_backend
+    from trainer.backends.build import build_backend
+    from trainer.backends.local import LocalBackend
     from trainer.training.backend import TeacherScoring
 
     cfg = make_cfg(tmp_path, distill__teacher=URL, distill__teacher_model="big-teacher")
     backend = build_backend(cfg)  # no request yet: the model is named
-    assert isinstance(backend, WithUrlTeacher) and isinstance(backend, TeacherScoring)
-    assert backend.vocab_size == 2048 and backend.step == 0
+    assert isinstance(backend, LocalBackend) and isinstance(backend, TeacherScoring)
+    assert backend.teacher_model is None and backend.url_teacher is not None  # no teacher weights here
+    assert (backend.url_teacher.url, backend.url_teacher.model) == (URL, "big-teacher")
     server = FakeServer()
-    backend.teacher = teacher(server, model="big-teacher")
+    backend.url_teacher = teacher(server, model="big-teacher")
     assert backend.teacher_logprobs(EXAMPLES) == [pytest.approx(expected(ex), abs=0) for ex in EXAMPLES]
     assert not math.isnan(backend.teacher_logprobs(EXAMPLES)[0][2])

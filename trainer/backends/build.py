@@ -3,17 +3,12 @@ that trainer/training never imports a concrete backend."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 from trainer.backends.collectives import rank_info
 from trainer.backends.data_parallel import RankZeroBackend, follow
 from trainer.backends.local import LocalBackend
 from trainer.training.backend import TrainingBackend
-from trainer.training.batch import TrainingExample
 from trainer.training.config import RunConfig
 from trainer.training.distill import resolve_teacher
-from trainer.training.teacher_http import UrlTeacher, api_key
 
 
 def build_backend(cfg: RunConfig) -> TrainingBackend:
@@ -26,39 +21,9 @@ def build_backend(cfg: RunConfig) -> TrainingBackend:
             remote.load_teacher(cfg.distill.teacher)
         return remote
     local = LocalBackend(cfg)
-    if cfg.distill.by_url:  # the config keeps a URL teacher to one rank
-        return WithUrlTeacher(local, url_teacher(cfg))
-    if cfg.distill.teacher is not None:
+    if cfg.distill.teacher is not None:  # the config keeps a teacher to one rank
         local.load_teacher(resolve_teacher(cfg.distill.teacher))
     return RankZeroBackend(local) if local.ranks.world_size > 1 else local
-
-
-def url_teacher(cfg: RunConfig) -> UrlTeacher:
-    d = cfg.distill
-    assert d.teacher is not None
-    return UrlTeacher(
-        d.teacher,
-        d.teacher_model,
-        api_key(d.teacher_api_key),
-        d.teacher_timeout_s,
-        d.teacher_batch_tokens,
-        cfg.trainer.retry_budget_s,
-    )
-
-
-class WithUrlTeacher:
-    """A backend that trains as `backend` does and scores a distillation teacher through a server: the backend's
-    own weights never hold the teacher."""
-
-    def __init__(self, backend: TrainingBackend, teacher: UrlTeacher):
-        self.backend = backend
-        self.teacher = teacher
-
-    def teacher_logprobs(self, examples: Sequence[TrainingExample]) -> list[list[float]]:
-        return self.teacher.teacher_logprobs(examples)
-
-    def __getattr__(self, name: str) -> Any:  # the rest of the backend, probes included, as it is
-        return getattr(self.backend, name)
 
 
 def follow_rank_zero(cfg: RunConfig) -> None:

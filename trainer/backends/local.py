@@ -43,6 +43,7 @@ from trainer.training.losses import (
     compute_reduction_weights,
     finalize_metrics,
 )
+from trainer.training.teacher_http import UrlTeacher
 
 ADAPTER_FILE = "adapter_model.safetensors"
 STUDENT, TEACHER = "default", "teacher"  # PEFT adapter names: the one trained, and a distillation teacher
@@ -241,6 +242,7 @@ class LocalBackend:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, fused=self.device.type == "cuda")
         self._step = 0
         self.teacher_model: Any = None  # distillation from a model of its own (load_teacher)
+        self.url_teacher: UrlTeacher | None = None  # ... or from a server's URL
         self.output_dir = Path(cfg.trainer.output_dir)
         _seed_everything(cfg.lora.seed)
 
@@ -374,6 +376,9 @@ class LocalBackend:
         """A teacher for on-policy distillation (trainer.training.distill.resolve_teacher's answer): a PEFT adapter
         on this model's base, loaded beside the trained adapter (only the base's memory is shared; the teacher's own
         LoRA weights are frozen), or a model of its own in the trainer's dtype and device, frozen."""
+        if teacher_kind(path) == "url":  # a server elsewhere scores it (trainer/training/teacher_http.py)
+            self.url_teacher = UrlTeacher.from_config(self.cfg)
+            return
         if teacher_kind(path) == "model":
             self._load_teacher_model(path)
             return
@@ -413,9 +418,11 @@ class LocalBackend:
 
     @torch.no_grad()
     def teacher_logprobs(self, examples: Sequence[TrainingExample]) -> list[list[float]]:
-        """The teacher's log p(target_t | prefix) of every trained token of `examples` (0.0 elsewhere), by a forward
-        of the teacher model, or of the base with the teacher adapter active, in the trainer's micro-batches; raw
-        logits (temperature 1)."""
+        """The teacher's log p(target_t | prefix) of every trained token of `examples` (0.0 elsewhere): from its
+        server, or by a forward of the teacher model, or of the base with the teacher adapter active, in the
+        trainer's micro-batches; raw logits (temperature 1)."""
+        if self.url_teacher is not None:
+            return self.url_teacher.teacher_logprobs(examples)
         out: list[list[float]] = [[] for _ in examples]
         plans = plan_micro_batches([len(e) for e in examples], self.cfg.trainer.micro_batch_tokens)
         causal_lm = self.teacher_model

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from trainer.training.batch import TrainingExample, plan_micro_batches
-from trainer.training.config import ConfigError, DistillConfig
+from trainer.training.config import ConfigError, DistillConfig, RunConfig
 from trainer.training.retries import ComponentDown, Edge, checked, describe
 
 API_KEY_ENV = "DISTILL_TEACHER_API_KEY"  # the teacher server's token when distill.teacher_api_key is not set
@@ -168,6 +168,20 @@ class UrlTeacher:
     def _call(self, method: str, path: str, what: str, body: dict[str, Any] | None = None) -> Any:
         response = self.edge.call(lambda: checked(self._http.request(method, path, json=body)), what)
         return response.json()
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> UrlTeacher:
+        """The run's URL teacher (distill.teacher and its teacher_* keys), retried within trainer.retry_budget_s."""
+        d = cfg.distill
+        assert d.teacher is not None
+        return cls(
+            d.teacher,
+            d.teacher_model,
+            api_key(d.teacher_api_key),
+            d.teacher_timeout_s,
+            d.teacher_batch_tokens,
+            cfg.trainer.retry_budget_s,
+        )
 
     def models(self) -> list[dict[str, Any]]:
         return list(self._call("GET", "/v1/models", "GET /v1/models")["data"])

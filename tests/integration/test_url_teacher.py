@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import torch
 
-from tests.helpers import FIXTURE, free_port, make_cfg, stop_process, trained_token_logprobs
+from tests.helpers import FIXTURE, free_port, make_cfg, start_raw_vllm, stop_process, trained_token_logprobs
 from trainer.training.batch import IntakeOptions, TrainingExample, convert_batch
 from trainer.training.polling import wait_until
 from trainer.training.teacher_http import UrlTeacher, preflight_url_teacher
@@ -34,19 +32,7 @@ TEACHER_KEY = "teacher-key-0123456789"
 @pytest.fixture(scope="module")
 def vllm_url(tiny_model_path, tmp_path_factory) -> Iterator[str]:
     port, log = free_port(), tmp_path_factory.mktemp("teacher-vllm") / "vllm.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_path)]
-    cmd += [
-        "--served-model-name",
-        "teacher",
-        "--dtype",
-        "float32",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    cmd += ["--api-key", TEACHER_KEY, "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 2**20)]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_raw_vllm(tiny_model_path, port, log, "teacher", "--api-key", TEACHER_KEY)
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:

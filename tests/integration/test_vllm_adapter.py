@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import FIXTURE, free_port, stop_process
+from tests.helpers import FIXTURE, free_port, start_raw_vllm, stop_process
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.losses import LossParams
 from trainer.training.polling import wait_until
@@ -25,32 +23,9 @@ pytestmark = pytest.mark.slow
 
 
 def start_vllm(model_path: Path, port: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_path),
-        "--served-model-name",
-        "base",
-        "--dtype",
-        "float32",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enable-lora",
-        "--max-lora-rank",
-        "8",
-        "--max-loras",
-        "2",
-        "--max-model-len",
-        "512",
-        "--kv-cache-memory-bytes",
-        str(64 * 2**20),
-    ]
-    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return start_raw_vllm(
+        model_path, port, log, "base", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"
+    )
 
 
 def wait_until_completes(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 240) -> None:

@@ -20,6 +20,7 @@ from trainer.training.batch import (
     plan_micro_batches,
     resolve_temperature,
 )
+from trainer.training.losses import BatchScale
 
 OPTS = IntakeOptions(vocab_size=2048, max_seq_len=64)
 
@@ -68,6 +69,22 @@ def test_fixture_converts_with_shift_masks_and_advantages(groups):
     assert any(a != 0 for a in by_seq[(3, 1)].advantages)
     metrics = out.metrics()
     assert metrics["rollouts/sequences_trained"] == 12 and metrics["rollouts/groups_zero_variance"] == 1
+
+
+def test_zero_variance_sequences_count_in_the_batch_scale(groups):
+    """The mean reductions divide by every well-formed sequence the step took: group 1 (all rewards equal) is not
+    trained but its 4 sequences and their completion tokens are in the scale; one too long to train is not."""
+    out = convert_batch(groups, OPTS)
+    zero_tokens = [sum(1 for m in masks[1:] if m != -100) for masks in groups[1]["masks"]]
+    own_tokens = sum(sum(e.loss_mask) for e in out.examples)
+    assert out.scale() == BatchScale(12 + 4, own_tokens + sum(zero_tokens))
+    longest = max(len(t) for t in groups[1]["tokens"])
+    n_longest = sum(len(t) == longest for t in groups[1]["tokens"])
+    shorter = dataclasses.replace(OPTS, max_seq_len=longest - 1, overlong="drop")
+    dropped = convert_batch(groups, shorter)
+    assert dropped.zero_variance_sequences == 4 - n_longest
+    truncated = convert_batch(groups, dataclasses.replace(OPTS, max_seq_len=longest - 1))
+    assert truncated.zero_variance_sequences == 4 and truncated.zero_variance_tokens < sum(zero_tokens)
 
 
 def test_std_normalisation_and_grpo_style_advantages():

@@ -14,7 +14,7 @@ from tests.helpers import FIXTURE, lora_state, make_cfg
 from trainer.backends.local import LocalBackend
 from trainer.training.batch import IntakeOptions, TrainingExample, convert_batch
 from trainer.training.logprobs import compute_token_logprobs
-from trainer.training.losses import LossParams
+from trainer.training.losses import BatchScale, LossParams
 from trainer.training.schedule import adam_params, build_adam_params
 
 
@@ -242,3 +242,23 @@ def test_groups_without_sampler_logprobs_train_as_on_policy(tmp_path):
         if p.requires_grad:
             assert torch.allclose(p.grad, g_recomputed[n], atol=1e-7, rtol=1e-5), n
     assert any(g.abs().sum() > 0 for g in g_recomputed.values())
+
+
+@pytest.mark.parametrize("reduction", ["seq_mean_token_sum", "token_mean"])
+def test_untrained_sequences_in_the_batch_scale_shrink_the_mean(tmp_path, fixture_examples, reduction):
+    """A batch of 12 trained sequences whose step also took 12 zero-variance ones (and their tokens) divides by 24:
+    the loss and every gradient are half those of the trained sequences alone, so a step where most groups carry
+    no signal does not give the rest of them the whole update."""
+    backend = LocalBackend(make_cfg(tmp_path))
+    own = BatchScale.of(fixture_examples)
+    results = []
+    for scale in (None, BatchScale(2 * own.sequences, 2 * own.tokens)):
+        backend.model.zero_grad(set_to_none=True)
+        fb = backend.forward_backward(fixture_examples, LossParams("ppo"), reduction, scale)
+        grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.requires_grad}
+        results.append((fb.loss, grads))
+    (loss_own, g_own), (loss_half, g_half) = results
+    assert loss_own != 0 and loss_half == pytest.approx(loss_own / 2, rel=1e-5)
+    assert any(g.abs().sum() > 0 for g in g_own.values())
+    for n in g_own:
+        assert torch.allclose(g_half[n], g_own[n] / 2, atol=1e-7, rtol=1e-4), n

@@ -24,7 +24,7 @@ from tests.helpers import FIXTURE, trained_token_logprobs  # noqa: E402
 from trainer.backends.tinker import TinkerBackend, wait  # noqa: E402
 from trainer.training.batch import IntakeOptions, convert_batch  # noqa: E402
 from trainer.training.config import ConfigError, RunConfig, load_config  # noqa: E402
-from trainer.training.losses import LossParams  # noqa: E402
+from trainer.training.losses import BatchScale, LossParams  # noqa: E402
 from trainer.training.schedule import adam_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,10 +58,12 @@ def examples():
         ("cispo", "token_mean"),
         ("grpo", "seq_mean_token_mean"),
         ("cross_entropy", "token_mean"),
+        ("grpo", "seq_mean_token_sum+scale"),
     ],
 )
 def test_tinker_path_gives_the_local_loss_and_gradients(fake_root, examples, tokenizer_path, name, reduction):
-    """Tinker only sums; reductions ride on scaled advantages/weights. Same loss, same gradients."""
+    """Tinker only sums; reductions ride on scaled advantages/weights. Same loss, same gradients, also when the
+    batch scale counts zero-variance sequences that are not sent."""
     from transformers import AutoTokenizer
 
     from trainer.backends.local import LocalBackend
@@ -74,8 +76,10 @@ def test_tinker_path_gives_the_local_loss_and_gradients(fake_root, examples, tok
             RunConfig, ROOT / "configs" / "tiny_cpu.yaml", [f"trainer.output_dir={fake_root / 'local'}"]
         )
     )
-    a = remote.forward_backward(examples, LossParams(name), reduction)
-    b = local.forward_backward(examples, LossParams(name), reduction)
+    reduction, _, scaled = reduction.partition("+")
+    scale = BatchScale(len(examples) + 5, sum(sum(e.loss_mask) for e in examples) + 37) if scaled else None
+    a = remote.forward_backward(examples, LossParams(name), reduction, scale)
+    b = local.forward_backward(examples, LossParams(name), reduction, scale)
     assert a.loss == pytest.approx(b.loss, rel=1e-5, abs=1e-6)
     assert a.metrics["importance/logprob_diff_mean"] == pytest.approx(
         b.metrics["importance/logprob_diff_mean"]

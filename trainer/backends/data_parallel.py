@@ -10,7 +10,7 @@ from trainer.backends.collectives import broadcast
 from trainer.backends.local import LocalBackend
 from trainer.training.backend import AdamParams, ForwardBackwardResult
 from trainer.training.batch import TrainingExample
-from trainer.training.losses import LossParams, Reduction
+from trainer.training.losses import BatchScale, LossParams, Reduction
 
 
 class RankZeroBackend:
@@ -29,19 +29,28 @@ class RankZeroBackend:
         return self.local.vocab_size
 
     def forward_backward(
-        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction = "sum"
+        self,
+        examples: Sequence[TrainingExample],
+        loss: LossParams,
+        reduction: Reduction = "sum",
+        scale: BatchScale | None = None,
     ) -> ForwardBackwardResult:
-        broadcast(("forward_backward", (list(examples), loss, reduction)))
-        return self.local.forward_backward(examples, loss, reduction)
+        broadcast(("forward_backward", (list(examples), loss, reduction, scale)))
+        return self.local.forward_backward(examples, loss, reduction, scale)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         broadcast(("optim_step", (adam,)))
         return self.local.optim_step(adam)
 
     def train_step(
-        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction, adam: AdamParams
+        self,
+        examples: Sequence[TrainingExample],
+        loss: LossParams,
+        reduction: Reduction,
+        adam: AdamParams,
+        scale: BatchScale | None = None,
     ) -> tuple[ForwardBackwardResult, dict[str, float]]:
-        return self.forward_backward(examples, loss, reduction), self.optim_step(adam)
+        return self.forward_backward(examples, loss, reduction, scale), self.optim_step(adam)
 
     def load_state(self, path: str) -> None:
         broadcast(("load_state", (path,)))

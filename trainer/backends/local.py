@@ -36,6 +36,7 @@ from trainer.training.config import ConfigError, RunConfig
 from trainer.training.distill import teacher_kind
 from trainer.training.logprobs import compute_token_logprobs, top_logprobs
 from trainer.training.losses import (
+    BatchScale,
     LossInputs,
     LossParams,
     Reduction,
@@ -257,7 +258,11 @@ class LocalBackend:
     # --- training -------------------------------------------------------------------------------------------
 
     def forward_backward(
-        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction = "sum"
+        self,
+        examples: Sequence[TrainingExample],
+        loss: LossParams,
+        reduction: Reduction = "sum",
+        scale: BatchScale | None = None,
     ) -> ForwardBackwardResult:
         """Gradients of the whole batch's loss. Under data parallelism every rank is given the whole batch, trains
         its shard, and the summed gradients, loss and metrics are those of the whole batch."""
@@ -266,7 +271,7 @@ class LocalBackend:
         started = time.perf_counter()
         self.model.train()
         # Whole-batch counts on every rank: the per-shard losses then add up to the whole batch's loss.
-        total_tokens = float(sum(sum(e.loss_mask) for e in examples))
+        scale = scale or BatchScale.of(examples)
         plans = self._my_micro_batches(examples)
         # Fewer examples than ranks: this rank still joins the gradient all-reduce, with weight 0.
         placeholder = not plans
@@ -277,7 +282,7 @@ class LocalBackend:
             # DDP all-reduces on the last micro-batch only; the others accumulate locally.
             with self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext():
                 micro_loss, micro_metrics, lp_BT = self._micro_step(
-                    [examples[i] for i in plan], loss, reduction, total_tokens, len(examples), placeholder
+                    [examples[i] for i in plan], loss, reduction, scale, placeholder
                 )
             if placeholder:
                 continue
@@ -323,8 +328,7 @@ class LocalBackend:
         chunk: list[TrainingExample],
         loss: LossParams,
         reduction: Reduction,
-        total_tokens: float,
-        n_sequences: int,
+        scale: BatchScale,
         zero_weight: bool,
     ) -> tuple[float, dict[str, float], torch.Tensor]:
         batch = {k: v.to(self.device) for k, v in examples_to_tensors(chunk).items()}
@@ -336,7 +340,7 @@ class LocalBackend:
             batch["mask_BT"],
             batch["temperature_B"] if use_temperature else None,
         )
-        weights_BT = compute_reduction_weights(batch["mask_BT"], reduction, total_tokens, n_sequences)
+        weights_BT = compute_reduction_weights(batch["mask_BT"], reduction, scale.tokens, scale.sequences)
         if zero_weight:
             weights_BT = torch.zeros_like(weights_BT)
         sampler_BT = batch["sampler_logprobs_BT"]
@@ -355,9 +359,14 @@ class LocalBackend:
         return float(micro_loss.detach().item()), micro_metrics, trainer_lp_BT.detach().cpu()
 
     def train_step(
-        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction, adam: AdamParams
+        self,
+        examples: Sequence[TrainingExample],
+        loss: LossParams,
+        reduction: Reduction,
+        adam: AdamParams,
+        scale: BatchScale | None = None,
     ) -> tuple[ForwardBackwardResult, dict[str, float]]:
-        return self.forward_backward(examples, loss, reduction), self.optim_step(adam)
+        return self.forward_backward(examples, loss, reduction, scale), self.optim_step(adam)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         started = time.perf_counter()

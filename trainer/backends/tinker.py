@@ -27,6 +27,7 @@ from trainer.training.batch import TrainingExample, examples_to_tensors
 from trainer.training.checkpoints import write_atomic
 from trainer.training.config import ConfigError, RunConfig
 from trainer.training.losses import (
+    BatchScale,
     LossInputs,
     LossParams,
     Reduction,
@@ -194,12 +195,16 @@ class TinkerBackend:
             raise ConfigError("loss.tis_cap is not available with --backend tinker")
 
     def _submit(
-        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction
+        self,
+        examples: Sequence[TrainingExample],
+        loss: LossParams,
+        reduction: Reduction,
+        scale: BatchScale | None,
     ) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
         self._check_loss(loss, reduction)
         tensors = examples_to_tensors(list(examples))
-        total_tokens = float(tensors["mask_BT"].sum())
-        weights_BT = compute_reduction_weights(tensors["mask_BT"], reduction, total_tokens, len(examples))
+        scale = scale or BatchScale.of(examples)
+        weights_BT = compute_reduction_weights(tensors["mask_BT"], reduction, scale.tokens, scale.sequences)
         datums = build_datums(examples, loss, weights_BT, tensors)
         future = self.client.forward_backward(datums, TINKER_LOSS[loss.name], loss_fn_config(loss))
         return future, tensors, weights_BT
@@ -244,10 +249,14 @@ class TinkerBackend:
         return ForwardBackwardResult(trainer_logprobs=logprobs, loss=loss_value, metrics=metrics)
 
     def forward_backward(
-        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction = "sum"
+        self,
+        examples: Sequence[TrainingExample],
+        loss: LossParams,
+        reduction: Reduction = "sum",
+        scale: BatchScale | None = None,
     ) -> ForwardBackwardResult:
         started = time.perf_counter()
-        future, tensors, weights_BT = self._submit(examples, loss, reduction)
+        future, tensors, weights_BT = self._submit(examples, loss, reduction, scale)
         return self._result(future, examples, loss, tensors, weights_BT, started)
 
     def _adam(self, adam: AdamParams) -> Any:
@@ -277,11 +286,16 @@ class TinkerBackend:
         return self._optim_metrics(response, adam, started)
 
     def train_step(
-        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction, adam: AdamParams
+        self,
+        examples: Sequence[TrainingExample],
+        loss: LossParams,
+        reduction: Reduction,
+        adam: AdamParams,
+        scale: BatchScale | None = None,
     ) -> tuple[ForwardBackwardResult, dict[str, float]]:
         """Submit forward_backward and optim_step together (one Tinker clock cycle), then wait for both."""
         started = time.perf_counter()
-        fb_future, tensors, weights_BT = self._submit(examples, loss, reduction)
+        fb_future, tensors, weights_BT = self._submit(examples, loss, reduction, scale)
         optim_future = self.client.optim_step(self._adam(adam))
         fb = self._result(fb_future, examples, loss, tensors, weights_BT, started)
         # Both calls run back to back on Tinker's side: the optimizer's own time is what is left after fb.

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from trainer.training.batch import TrainingExample
-from trainer.training.losses import LossParams, Reduction
+from trainer.training.losses import BatchScale, LossParams, Reduction
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,15 @@ class ForwardBackwardResult:
 
 class TrainingBackend(Protocol):
     def forward_backward(
-        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction = "sum"
+        self,
+        examples: Sequence[TrainingExample],
+        loss: LossParams,
+        reduction: Reduction = "sum",
+        scale: BatchScale | None = None,
     ) -> ForwardBackwardResult:
-        """Compute the loss on `examples` and accumulate its gradients (not applied until optim_step)."""
+        """Compute the loss on `examples` and accumulate its gradients (not applied until optim_step). The mean
+        reductions divide by `scale` (the whole batch taken, untrained zero-variance sequences included), by the
+        examples' own counts when it is None."""
         ...
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
@@ -48,7 +54,12 @@ class TrainingBackend(Protocol):
         ...
 
     def train_step(
-        self, examples: Sequence[TrainingExample], loss: LossParams, reduction: Reduction, adam: AdamParams
+        self,
+        examples: Sequence[TrainingExample],
+        loss: LossParams,
+        reduction: Reduction,
+        adam: AdamParams,
+        scale: BatchScale | None = None,
     ) -> tuple[ForwardBackwardResult, dict[str, float]]:
         """forward_backward then optim_step; a remote backend submits both before waiting for either."""
         ...

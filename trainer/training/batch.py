@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from trainer.training.losses import BatchScale
+
 IGNORE_INDEX = -100  # Atropos's mask value for positions that are not trained
 
 
@@ -98,6 +100,16 @@ class ConvertedBatch:
     scores: list[float] = field(default_factory=list)  # every finite score received, for reward metrics
     group_scores: dict[int, list[float]] = field(default_factory=dict)  # the same, by group index
     zero_variance_groups: list[int] = field(default_factory=list)
+    # Zero-variance sequences and the tokens they would train: part of the batch the mean reductions divide by.
+    zero_variance_sequences: int = 0
+    zero_variance_tokens: float = 0.0
+
+    def scale(self) -> BatchScale:
+        """The batch the step took, for the mean reductions: every well-formed sequence, trained or zero-variance."""
+        own = BatchScale.of(self.examples)
+        return BatchScale(
+            own.sequences + self.zero_variance_sequences, own.tokens + self.zero_variance_tokens
+        )
 
     def metrics(self) -> dict[str, float]:
         dropped_groups = sum(1 for d in self.drops if d.sequence_index is None)
@@ -309,6 +321,14 @@ def _convert_group(gi: int, g: ScoredDataGroup, opts: IntakeOptions, out: Conver
     if g.advantages is None and max(g.scores) == min(g.scores) and not opts.keep_zero_variance:
         out.groups_zero_variance += 1
         out.zero_variance_groups.append(gi)
+        for si, toks in enumerate(g.tokens):
+            if len(toks) > opts.max_seq_len and opts.overlong == "drop":
+                continue  # it would have been dropped, not trained
+            n = min(len(toks), opts.max_seq_len)
+            trained = sum(1 for m in g.masks[si][1:n] if m != IGNORE_INDEX)
+            if trained:
+                out.zero_variance_sequences += 1
+                out.zero_variance_tokens += trained
         return
     seq_advantages = compute_group_advantages(g.scores, opts.normalize_std, opts.std_eps)
     for si in range(len(g.tokens)):

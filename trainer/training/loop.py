@@ -657,7 +657,9 @@ def _one_step(
             examples, distilled = with_teacher(cfg, backend, examples)
             train.update(distilled)
         adam = build_adam_params(backend.step, cfg.optim)
-        fb, optim = backend.train_step(examples, cfg.loss.params(), cfg.loss.reduction, adam)
+        # The means divide by the whole batch taken: zero-variance groups count, as in GRPO's mean (BatchScale).
+        scale = converted.scale()
+        fb, optim = backend.train_step(examples, cfg.loss.params(), cfg.loss.reduction, adam, scale)
         train.update({"loss": fb.loss, **optim})
         train.update({k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS})
         times.trained = time.monotonic()

@@ -24,8 +24,9 @@ Departures from Tinker, all opt-in and off by default:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -80,6 +81,23 @@ class LossInputs:
     # gspo: the tokens whose log-ratios the sequence ratio averages (Tinker's `sequence_ratio_mask`, nonzero = in);
     # None = the trained tokens (mask_BT). Trainer logprobs must be real there, not only where mask_BT is nonzero.
     sequence_mask_BT: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class BatchScale:
+    """What the mean reductions divide by: the sequences and trained tokens of the batch the step took, including
+    the groups that carry no signal (all rewards equal), which are counted here and not trained. Without it, a step
+    whose other groups were all solved would spread the whole update over the few sequences left; with it, a
+    sequence's weight does not depend on how many of its neighbours had a reward spread (as in GRPO, where such
+    sequences stay in the mean with advantage 0)."""
+
+    sequences: int
+    tokens: float
+
+    @staticmethod
+    def of(examples: Sequence[Any]) -> BatchScale:
+        """The examples' own counts (each has a `loss_mask`): a batch in which every sequence trains."""
+        return BatchScale(len(examples), float(sum(sum(e.loss_mask) for e in examples)))
 
 
 def compute_reduction_weights(

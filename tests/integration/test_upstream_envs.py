@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import assert_nothing_left, read_metrics, run_launch
 
@@ -57,29 +58,43 @@ def test_preflight_refuses_a_prompt_that_cannot_fit_and_an_undeclared_flag(tmp_p
     assert rc == 2 and "rollout.env_args.sytem_words" in out and "system_words" in out, out
 
 
-def test_tokenize_for_trainer_env_with_a_single_server_config_trains(tmp_path):
-    """No seed field, a bare APIServerConfig, integer stop ids, tokenize_for_trainer (no sampler logprobs,
-    re-tokenized chats unknown to the ledger), replies cut at max_tokens, and chats longer than the environment's
-    max_token_length (which atroposlib drops whole groups for when run-api's limit is the same) and than
-    trainer.max_seq_len (trained up to it)."""
+def mixed_config(tmp_path: Path) -> Path:
+    """Both conformance files in one run (each half of a batch): one stack start checks both patterns."""
+    cfg = yaml.safe_load((ROOT / "configs" / "tiny_cpu.yaml").read_text())
+    del cfg["rollout"]["env"]
+    cfg["rollout"]["max_staleness"] = 2  # a mixed run's minimum (docs/environments.md, "Staleness")
+    cfg["rollout"]["envs"] = [
+        # chats longer than its max_token_length, which atroposlib drops whole groups for when run-api's limit is
+        # the same, and than trainer.max_seq_len (trained up to it)
+        {"env": str(ENVS / "tokenized_chat.py"), "name": "tokenized", "max_token_length": 64},
+        {"env": str(ENVS / "managed_turns.py"), "name": "turns"},
+    ]
+    cfg["trainer"]["max_seq_len"] = 64
+    path = tmp_path / "upstream.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_two_upstream_patterns_train_in_one_mixed_run(tmp_path):
+    """tokenized_chat.py: no seed field, a bare APIServerConfig, integer stop ids, tokenize_for_trainer (no
+    sampler logprobs, re-tokenized chats unknown to the ledger), replies cut at max_tokens, chats longer than the
+    limits. managed_turns.py: a list of two server configs (atroposlib refuses --openai.* flags for it),
+    ManagedServer multi-turn state with sampler logprobs, and get_logprobs (prompt_logprobs on /generate) in the
+    reward. One mixed launch (the two single-file launches cost a stack start each); the per-environment rows say
+    which file did what."""
     run_dir = tmp_path / "run"
-    limits = ["rollout.max_token_length=64", "trainer.max_seq_len=64"]
-    rc, out, _ = run_launch(launch_file("tokenized_chat", run_dir, *limits), 900)
+    cmd = ["bash", str(ROOT / "launch.sh"), "--config", str(mixed_config(tmp_path))]
+    rc, out, _ = run_launch([*cmd, f"trainer.output_dir={run_dir}", *SMALL], 900)
     assert rc == 0, out
     assert "--env.seed is not passed" in out and "sends all its requests to the gateway" in out
     rows = assert_trained_without_drops(run_dir)
-    assert sum(r["rollouts/kept_unknown_version"] for r in rows) > 0
-    assert sum(r["rollouts/sequences_truncated"] for r in rows) > 0
+    for name in ("tokenized", "turns"):
+        assert sum(r[f"rollouts/{name}/sequences_trained"] for r in rows) > 0, (name, rows)
+    assert sum(r.get("rollouts/tokenized/kept_unknown_version", 0) for r in rows) > 0
+    assert (
+        sum(r.get("rollouts/turns/kept_unknown_version", 0) for r in rows) == 0
+    )  # ManagedServer's are known
+    assert sum(r.get("rollouts/tokenized/sequences_truncated", 0) for r in rows) > 0
+    assert all(r["reward/turns/mean"] is None or r["reward/turns/mean"] > 0 for r in rows)
     assert "stop_token_ids" in (run_dir / "logs" / "gateway.log").read_text()
-    assert_nothing_left(run_dir)
-
-
-def test_managed_server_multi_turn_env_with_two_server_configs_trains(tmp_path):
-    """A list of two server configs (atroposlib refuses --openai.* flags for it), ManagedServer multi-turn state
-    with sampler logprobs, and get_logprobs (prompt_logprobs on /generate) in the reward."""
-    run_dir = tmp_path / "run"
-    rc, out, _ = run_launch(launch_file("managed_turns", run_dir), 900)
-    assert rc == 0, out
-    rows = assert_trained_without_drops(run_dir)
-    assert all(r["reward/mean"] is None or r["reward/mean"] > 0 for r in rows)
     assert_nothing_left(run_dir)

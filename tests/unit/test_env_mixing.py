@@ -203,6 +203,18 @@ def test_per_env_rows_count_what_each_environment_sent_trained_and_lost():
     assert row["reward/toy/mean"] == pytest.approx(0.5)
     assert row["reward/residue/mean"] == pytest.approx(0.5)  # the scores it sent that passed the checks
     assert row["rollouts/idle/sequences_received"] == 0 and row["reward/idle/mean"] is None
+    assert "rollouts/toy/sequences_truncated" not in row and "rollouts/toy/kept_unknown_version" not in row
+    # residue's trained group: one sequence the ledger never knew (kept unknown), both longer than max_seq_len 3
+    long = {**group(2, [0.0, 1.0]), "tokens": [[1, 5, 5, 5]] * 2, "masks": [[-100, 5, 5, 5]] * 2}
+    long["inference_logprobs"] = [[1.0, -0.5, -0.5, -0.5]] * 2
+    short = convert_batch([taken[0], long], IntakeOptions(vocab_size=100, max_seq_len=3))
+    row = per_env_metrics(
+        [taken[0], long], [], [taken[0], long], short, names, ["toy", "residue"], [[0, 0], [0]]
+    )
+    assert (
+        row["rollouts/residue/sequences_truncated"] == 2 and row["rollouts/residue/kept_unknown_version"] == 1
+    )
+    assert "rollouts/toy/sequences_truncated" not in row and "rollouts/toy/kept_unknown_version" not in row
     unnamed = per_env_metrics(
         [group(7, [0.0, 1.0])], [], [], convert_batch([], IntakeOptions(100, 16)), {}, []
     )

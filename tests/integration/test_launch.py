@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import browser
 from tests.helpers import ROOT, assert_learned, assert_nothing_left, launch_cmd, read_metrics, run_launch
 from trainer.training.polling import wait_until
 
@@ -205,23 +206,64 @@ def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path):
     assert_nothing_left(run_dir)
 
 
-def test_staleness_window_is_enforced_and_stale_rollouts_counted(tmp_path):
+def watch_the_dashboard(proc: subprocess.Popen[str], tmp_path: Path) -> list[str]:
+    """`launch.dashboard=true`: the URL is printed before the run starts, and the page (headless Chromium, where the
+    OS has it) shows the run's reward curve gaining points while it trains. Returns the output read so far."""
+    assert proc.stdout is not None
+    url, seen = None, []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("dashboard: http://127.0.0.1:"):
+            url = line.split(" ", 1)[1].strip()
+            break
+    assert url is not None, "".join(seen[-30:])
+    if browser.MISSING is not None:
+        print(f"the live dashboard page was not opened: {browser.MISSING}")
+        return seen
+    with browser.chromium() as driver:
+        driver.get(url + "#0:.")  # the run folder is the root the launcher gave the dashboard
+        deadline = time.monotonic() + 300
+        first = 0
+        while time.monotonic() < deadline and not (first := browser.points(driver, "reward per step")):
+            time.sleep(0.5)
+        assert first, "the run's reward curve never appeared"
+        while time.monotonic() < deadline and browser.points(driver, "reward per step") <= first:
+            time.sleep(0.5)
+        assert browser.points(driver, "reward per step") > first, (
+            "the curve did not grow while the run trained"
+        )
+        assert driver.execute_script("return performance.getEntriesByType('navigation').length") == 1
+        driver.save_screenshot(str(tmp_path / "dashboard-live.png"))
+    return seen
+
+
+def test_staleness_window_is_enforced_and_the_live_dashboard_shows_the_run(tmp_path):
+    """One launch for two checks (each launch pays a vLLM start): the staleness window, and the dashboard of a real
+    run (`launch.dashboard=true`) growing in a browser."""
     run_dir = tmp_path / "run"
     # The env may run 4 batches ahead, so some rollouts arrive more than 1 version old. (With a window of 2, an
     # unloaded machine consumed every batch within 2 versions: the lag depends on how fast sampling is relative
     # to training, and a window of 1 is exceeded either way.) The publish runs inline here (publish.overlap off),
     # the path the other runs do not take.
-    rc, out, _ = run_launch(
-        launch_cmd(
-            run_dir,
-            "rollout.max_staleness=1",
-            "rollout.max_batches_offpolicy=4",
-            "rollout.num_steps=12",
-            "publish.overlap=false",
-        ),
-        600,
+    cmd = launch_cmd(
+        run_dir,
+        "rollout.max_staleness=1",
+        "rollout.max_batches_offpolicy=4",
+        "rollout.num_steps=12",
+        "publish.overlap=false",
+        "launch.dashboard=true",
     )
-    assert rc == 0, out[-3000:]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = watch_the_dashboard(proc, tmp_path)
+        rest, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out[-3000:]
+    assert (run_dir / "logs" / "dashboard.log").is_file()
     rows = read_metrics(run_dir)
     assert all(r["policy/staleness_max"] <= 1 for r in rows)
     assert not any(r["time/publish_overlapped"] for r in rows)

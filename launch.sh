@@ -4,7 +4,8 @@
 #   bash launch.sh --config FILE [key=value ...]   the environments the file names (rollout.env or rollout.envs)
 #   sbatch [sbatch options] launch.sh ENV ...   the same run as a SLURM job (submit from the repository folder)
 #   bash launch.sh --setup        only create/update .venv (first run: ~2 min, ~3 GB on CPU)
-#   bash launch.sh vf:ID_OR_FILE --config FILE ...   a verifiers environment (builds .venv-verifiers on first use)
+#   bash launch.sh vf:ID_OR_FILE --config FILE ...   a verifiers environment (builds .venv-verifiers on first use;
+#                                                    .venv-verifiers-v1 for a file that imports verifiers.v1)
 #   bash launch.sh service [--config FILE] [k=v ...]   the local Tinker-protocol service (README)
 # Sets up .venv on first use, then hands over to `python -m trainer.orchestration.launcher`, which starts run-api, the gateway
 # with vLLM, the environment(s) and the trainer (each as an srun step under SLURM), and stops them all when the
@@ -245,47 +246,73 @@ setup_env() {
 VF_VENV="$ROOT/.venv-verifiers"  # trainer/orchestration/commands.py runs its python
 VF_REQUIREMENTS="$ROOT/environments/verifiers_runner/requirements.txt"
 
-# Whether a config file (or a run folder's config.yaml) names a vf: environment in rollout.env or rollout.envs.
-config_names_verifiers() { [ -f "$1" ] && grep -Eq "^[[:space:]-]*env:[[:space:]]*[\"']?vf:" "$1"; }
+# verifiers v1 (`vf:FILE.py` whose source imports verifiers.v1) has a venv of its own: verifiers 0.4 needs openai<3.
+VF1_VENV="$ROOT/.venv-verifiers-v1"  # trainer/orchestration/commands.py runs its python
+VF1_REQUIREMENTS="$ROOT/environments/verifiers_v1_runner/requirements.txt"
 
-# Whether these launch arguments name a verifiers environment: a vf: ENV, a rollout.env=vf: override, or a config.
-names_verifiers() {
+# The vf: targets a config file (or a run folder's config.yaml) names in rollout.env or rollout.envs, one a line.
+config_verifiers_targets() {
+  [ -f "$1" ] || return 0
+  grep -Eo "^[[:space:]-]*env:[[:space:]]*[\"']?vf:[^\"'[:space:]]*" "$1" | sed -E 's/^.*vf://' || true
+}
+
+# The vf: targets these launch arguments name (a vf: ENV, a rollout.env=vf: override, or in a config), one a line.
+verifiers_targets() {
   local arg want=""
   for arg in "$@"; do
     case "$want" in
-      config) config_names_verifiers "$arg" && return 0 ;;
-      resume) config_names_verifiers "$arg/config.yaml" && return 0 ;;
+      config) config_verifiers_targets "$arg" ;;
+      resume) config_verifiers_targets "$arg/config.yaml" ;;
     esac
     want=""
     case "$arg" in
-      vf:* | rollout.env=vf:*) return 0 ;;
+      vf:*) echo "${arg#vf:}" ;;
+      rollout.env=vf:*) echo "${arg#rollout.env=vf:}" ;;
       --config) want=config ;;
       --resume) want=resume ;;
-      --config=*) config_names_verifiers "${arg#--config=}" && return 0 ;;
-      --resume=*) config_names_verifiers "${arg#--resume=}/config.yaml" && return 0 ;;
+      --config=*) config_verifiers_targets "${arg#--config=}" ;;
+      --resume=*) config_verifiers_targets "${arg#--resume=}/config.yaml" ;;
     esac
   done
-  return 1
 }
 
-setup_verifiers() {
-  local stamp
-  stamp="$VF_VENV/.installed-$(sha256sum <"$VF_REQUIREMENTS" | cut -c1-16)"
+# Whether a vf: target is a verifiers v1 file: the pattern trainer/orchestration/commands.py's is_verifiers_v1 uses.
+verifiers_v1_file() {
+  case "$1" in *.py) [ -f "$1" ] && grep -Eq '^[[:space:]]*(from|import)[[:space:]]+verifiers\.v1\b' "$1" ;; *) return 1 ;; esac
+}
+
+# VENV REQUIREMENTS: build (or update) a verifiers venv, stamped by the requirements file's hash.
+setup_verifiers_venv() {
+  local venv="$1" requirements="$2" stamp
+  stamp="$venv/.installed-$(sha256sum <"$requirements" | cut -c1-16)"
   [ -f "$stamp" ] && return 0
-  echo "[launch.sh] setting up $VF_VENV for verifiers environments ($(grep -v '^#' "$VF_REQUIREMENTS" | xargs))" >&2
-  [ -x "$VF_VENV/bin/python" ] || "$VENV/bin/python" -m venv "$VF_VENV"
-  "$VF_VENV/bin/python" -m pip install -q --upgrade pip
-  "$VF_VENV/bin/python" -m pip install -q -r "$VF_REQUIREMENTS"
-  rm -f "$VF_VENV"/.installed-*
+  echo "[launch.sh] setting up $venv for verifiers environments ($(grep -v '^#' "$requirements" | xargs))" >&2
+  [ -x "$venv/bin/python" ] || "$VENV/bin/python" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -r "$requirements"
+  rm -f "$venv"/.installed-*
   touch "$stamp"
   echo "[launch.sh] verifiers environment ready" >&2
+}
+setup_verifiers() { setup_verifiers_venv "$VF_VENV" "$VF_REQUIREMENTS"; }
+setup_verifiers_v1() { setup_verifiers_venv "$VF1_VENV" "$VF1_REQUIREMENTS"; }
+
+# Build the venv of each verifiers API these launch arguments name: v1 for a file that imports verifiers.v1, else v0.
+setup_named_verifiers() {
+  local target v0="" v1=""
+  while IFS= read -r target; do
+    if verifiers_v1_file "$target"; then v1=1; else v0=1; fi
+  done < <(verifiers_targets "$@")
+  if [ -n "$v0" ]; then setup_verifiers; fi
+  if [ -n "$v1" ]; then setup_verifiers_v1; fi
 }
 
 if [ "${1:-}" = "--setup" ]; then setup_env; exit 0; fi
 if [ "${1:-}" = "--setup-verifiers" ]; then setup_env; setup_verifiers; exit 0; fi
-case "${1:-}" in ""|-h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2; [ -n "${1:-}" ]; exit $? ;; esac
+if [ "${1:-}" = "--setup-verifiers-v1" ]; then setup_env; setup_verifiers_v1; exit 0; fi
+case "${1:-}" in ""|-h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; [ -n "${1:-}" ]; exit $? ;; esac
 setup_env
-if [ "$1" != "service" ] && names_verifiers "$@"; then setup_verifiers; fi
+if [ "$1" != "service" ]; then setup_named_verifiers "$@"; fi
 export TOKENIZERS_PARALLELISM=false  # W&B: the launcher picks online (a login here) or offline per run
 if [ "$1" = "service" ]; then shift; exec "$VENV/bin/python" -m trainer.orchestration.service_launch "$@"; fi
 exec "$VENV/bin/python" -m trainer.orchestration.launcher "$@"

@@ -27,20 +27,23 @@ from inference.errors import BackendError, Reason, default_reason
 from inference.http.accounting import LogLimiter, RequestAccounting, RequestStats
 from inference.http.bodies import check_backend_up, generate_answer, read_generate, read_openai, scores_prompt
 from inference.http.evalroutes import eval_routes
-from inference.http.guard import BodyGuard
+from inference.http.guard import BodyGuard, in_body_thread
 from inference.http.intake import (
     STEP_IDS,
     json_object,
     lookup_request,
     off_loop,
     resolved_path,
+    respond,
     until_disconnect,
     validation_message,
 )
 from inference.http.named import NamedAdapters, named_routes
+from inference.http.tokenin import tokenin_routes
+from inference.http.tokens import token_routes
 from inference.policy.gate import Gate
 from inference.policy.probe_check import ProbeCheck, calibrated_tolerance, compare_probe, separation
-from inference.policy.registry import Policy, PolicyRegistry, VersionLedger
+from inference.policy.registry import Policy, PolicyRegistry, Recorded, VersionLedger
 from inference.samplers.lanes import SoloLane, scoring_runs_alone
 from inference.wire import (
     ExpectRequest,
@@ -55,7 +58,7 @@ from inference.wire import (
 )
 
 log = logging.getLogger("inference.app")
-VERSION_HEADER = "X-Policy-Version"
+INLINE_CONTINUATION_IDS = 4096  # prompt ids matched against the ledger on the event loop (Gateway.episode_of)
 
 
 class SamplingBackend(Protocol):
@@ -115,6 +118,7 @@ class Gateway:
         # Holds new requests while the trainer publishes the next version (inference/policy/gate.py).
         self.gate = Gate(lambda: registry.in_flight().get(registry.current.version, 0))
         self.stats = RequestStats()
+        self.continuations_moved = 0  # episode turns sampled on another version than their episode's
         self.stop_notices = LogLimiter(burst=1, window_s=60.0)  # one INFO line per route and minute
         # The base model's mean |vLLM - trainer| on a probe's prompts, measured once per gateway (before any
         # adapter has used a LoRA slot): the noise floor of the `mean` verification statistic.
@@ -160,18 +164,43 @@ class Gateway:
         return hmac.compare_digest(given.encode(), f"Bearer {self.cfg.publish_token}".encode())
 
     async def run(
-        self, coro_fn: Any, request: Request | None = None, solo: bool = False, n: int = 1
+        self,
+        coro_fn: Any,
+        request: Request | None = None,
+        solo: bool = False,
+        n: int = 1,
+        prompt_ids: list[int] | None = None,
     ) -> tuple[Any, Policy]:
         """Run a backend call on the current policy, keeping that policy loaded until the call returns. With the
         client's `request`, the call is cancelled (and vLLM aborts its work) when the client goes away; `solo`
-        runs it alone in the engine (inference/samplers/lanes.py)."""
+        runs it alone in the engine (inference/samplers/lanes.py). A route that knows its prompt's token ids
+        before sampling passes them as `prompt_ids`: a prompt that continues an episode (it starts with a turn the
+        ledger recorded) passes the on-policy gate and its quota and is sampled on the version that sampled that
+        turn while it is loaded (inference/policy/gate.py)."""
         check_backend_up(self.backend)
-        await (self.gate.wait(n) if request is None else until_disconnect(request, self.gate.wait(n)))
+        episode = None if prompt_ids is None else await self.episode_of(prompt_ids)
+        if episode is not None:
+            self.gate.admit_continuation()
+        else:
+            await (self.gate.wait(n) if request is None else until_disconnect(request, self.gate.wait(n)))
         async with self.lane.enter(solo):
-            return await self._run_on_current(coro_fn, request)
+            return await self._run_on_policy(coro_fn, request, episode)
 
-    async def _run_on_current(self, coro_fn: Any, request: Request | None) -> tuple[Any, Policy]:
-        policy = self.registry.acquire()
+    async def episode_of(self, prompt_ids: list[int]) -> Recorded | None:
+        """The episode turn `prompt_ids` continue (VersionLedger.continued). A long prompt is matched in the body
+        thread: it costs a digest per distinct recorded length up to its own (about 25 ms for a 32k-token prompt
+        against a full ledger), which would stall every other request on the event loop."""
+        if len(prompt_ids) <= INLINE_CONTINUATION_IDS:
+            return self.ledger.continued(prompt_ids)
+        return await in_body_thread(self.ledger.continued, prompt_ids)
+
+    async def _run_on_policy(
+        self, coro_fn: Any, request: Request | None, episode: Recorded | None
+    ) -> tuple[Any, Policy]:
+        # Chosen now, after any wait for the lane: the episode's version may have been unloaded meanwhile.
+        policy = self.registry.acquire(episode)
+        if episode is not None and not episode.sampled_by(policy):
+            self.continuations_moved += 1  # its episode's version is gone: sampled on the current one
         try:
             if request is None:
                 return await coro_fn(policy), policy
@@ -186,6 +215,9 @@ class Gateway:
         removed = []
         async with self.cleanup_lock:
             for policy in self.registry.removable():
+                # An episode's later turn may have taken one of them while an earlier unload was awaited.
+                if policy not in self.registry.removable():
+                    continue
                 self.registry.remove(policy)
                 removed.append(policy.version)
                 try:
@@ -235,7 +267,10 @@ class Gateway:
             [p.version for p in retracted],
             unloaded,
             "" if check is None else f"; verified: {check.describe()}",
-            "" if spell is None else f"; held {spell.held_requests} request(s) for {spell.closed_s:.3f}s",
+            ""
+            if spell is None
+            else f"; held {spell.held_requests} request(s) for {spell.closed_s:.3f}s and let "
+            f"{spell.continuations} episode continuation(s) through",
         )
         return PublishResponse(
             version=req.version,
@@ -410,6 +445,8 @@ def create_app(
     app.include_router(policy_routes(gw))
     app.include_router(named_routes(gw))
     app.include_router(eval_routes(gw))
+    app.include_router(tokenin_routes(gw))
+    app.include_router(token_routes(gw))
     return app
 
 
@@ -422,10 +459,6 @@ async def _backend_error(_: Request, exc: BackendError) -> JSONResponse:
 
 async def _request_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     return error(400, validation_message(exc))
-
-
-def respond(body: Any, policy: Policy) -> JSONResponse:
-    return JSONResponse(body, headers={VERSION_HEADER: str(policy.version)})
 
 
 def sampling_routes(gw: Gateway) -> APIRouter:
@@ -443,7 +476,9 @@ def sampling_routes(gw: Gateway) -> APIRouter:
     async def generate(request: Request) -> JSONResponse:
         dialect, req = await read_generate(gw, request, "/generate")
         solo = req.sampling.get("prompt_logprobs") is not None
-        samples, policy = await gw.run(lambda p: backend.sample(req, p), request, solo, req.n)
+        samples, policy = await gw.run(
+            lambda p: backend.sample(req, p), request, solo, req.n, req.prompt_token_ids
+        )
         answer = generate_answer(dialect, req, samples, policy.version)
         for s in samples:
             gw.record(req.prompt_token_ids, s.token_ids, policy)
@@ -491,7 +526,11 @@ async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse
     """An OpenAI body passed to the backend under the current policy; what was sampled goes into the ledger."""
     body = await read_openai(gw, request, path)
     result, policy = await gw.run(
-        lambda p: gw.backend.forward(path, body, p), request, scores_prompt(body), requested_sequences(body)
+        lambda p: gw.backend.forward(path, body, p),
+        request,
+        scores_prompt(body),
+        requested_sequences(body),
+        token_prompt(body) if path == "/v1/completions" else None,
     )
     for choice in result.get("choices", []):
         prompt_ids = choice.get("prompt_token_ids") or result.get("prompt_token_ids")
@@ -499,6 +538,18 @@ async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse
             gw.record(list(prompt_ids), list(choice["token_ids"]), policy)
     result["policy_version"] = policy.version
     return respond(result, policy)
+
+
+def token_prompt(body: dict[str, Any]) -> list[int] | None:
+    """A completions body's prompt when it is one prompt of token ids (checked already): what may continue an
+    episode. Texts, and several prompts in one body, are sampled as they always were."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    # The body check made every id of a token prompt an int.
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return prompt
+    return None
 
 
 def requested_sequences(body: dict[str, Any]) -> int:
@@ -587,6 +638,8 @@ def policy_routes(gw: Gateway) -> APIRouter:
             gate_held_total=gw.gate.held_total,
             gate_expired_total=gw.gate.expired_total,
             gate_refills_total=gw.gate.refills_total,
+            gate_continuations_total=gw.gate.continuations_total,
+            continuations_moved_total=gw.continuations_moved,
         )
         if gw.authorized(request):  # where vLLM listens and its PIDs are for the token's holders only
             state.backend_url = backend.url

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README, CI): create or reuse .venv (via launch.sh --setup), then run pytest.
-# Extra arguments go to pytest: `bash tests/run.sh tests/unit` is the fast tier (in-process, about a minute),
+# Extra arguments go to pytest: `bash tests/run.sh -n 2 tests/unit` is the fast tier (in-process, on two workers),
 # `bash tests/run.sh -k losses -x` picks tests, `bash tests/run.sh -m gpu tests/gpu` runs the GPU tier on a CUDA machine.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -23,5 +23,16 @@ fi
 # The verifiers test trains through a verifiers environment, which runs in a venv of its own (.venv-verifiers, built
 # once, about 2 minutes). Where it cannot be built, that test skips and says how to build it.
 bash launch.sh --setup-verifiers || echo "[tests] could not set up .venv-verifiers: the verifiers test will skip" >&2
+# The same for verifiers v1 (verifiers 0.4, which needs openai<3): .venv-verifiers-v1, about 1.5 minutes once.
+bash launch.sh --setup-verifiers-v1 \
+  || echo "[tests] could not set up .venv-verifiers-v1: the verifiers v1 test will skip" >&2
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "${VENV:-.venv}/bin/python" -m pytest "$@"
+# No arguments: the whole suite, by tier. The unit tier (in-process, no server) runs on two workers, one per core;
+# then the tests that start real servers run one at a time, alone on the box, as their timings assume.
+if [ $# -eq 0 ]; then
+  unit=0
+  "$PY" -m pytest -n 2 tests/unit || unit=$?
+  "$PY" -m pytest tests/integration tests/gpu || exit $?
+  exit "$unit"
+fi
+exec "$PY" -m pytest "$@"

@@ -7,28 +7,35 @@ The exact tokens: every model call asks for `logprobs=true` and vLLM's `return_t
 prompt ids vLLM rendered, the sampled ids and their logprobs per turn; environments.verifiers_runner.trajectory
 turns those into the sequence run-api receives. The gateway records each answer in its version ledger, where the
 trainer looks the sequence up.
+
+Token-in later turns: a multi-turn chat environment without tools sends every turn after the first as token ids
+(the earlier turns' ids exactly as sampled, then the environment's turn tokenized by the gateway's /tokenize) to
+the gateway's /v1/chat/completions/tokens, whenever the gateway serves /tokenize. Each prompt then begins with
+everything before it, so the whole rollout trains as one sequence. environments.verifiers_runner.compat hides how
+0.1.9.post2 and 0.1.14 switch it on.
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import inspect
 import json
 import logging
 import random
 import sys
+from collections.abc import Mapping
 from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
 import verifiers as vf
 from atroposlib.envs.base import APIServerConfig, BaseEnvConfig, ScoredDataGroup
-from openai import AsyncOpenAI
+from openai import APIStatusError, AsyncOpenAI
 from pydantic import Field
 
 from environments.common import ResumableData, Sampled, eval_max_new_tokens, evaluate_items, gateway_servers
 from environments.evaluation import EvalSettings
+from environments.verifiers_runner import compat
 from environments.verifiers_runner.trajectory import (
     TrajectoryError,
     build_sequence,
@@ -126,14 +133,35 @@ class VerifiersEnv(ResumableData):
             raise ValueError(f"verifiers environment {cfg.vf_env!r} has no training rows")
         random.Random(cfg.seed).shuffle(self.rows)
         server = self.server.servers[0].config
-        self.client = AsyncOpenAI(
+        openai = AsyncOpenAI(
             base_url=server.base_url,
             api_key=server.api_key or "local",
             timeout=REQUEST_TIMEOUT_S,
             max_retries=REQUEST_RETRIES,
         )
         self.model = server.model_name
+        token_in = await self.token_in(openai)
+        self.client = compat.make_client(self.vf_env, openai, token_in)
         self.next_index = 0
+
+    async def token_in(self, openai: AsyncOpenAI) -> bool:
+        """Later turns go token-in when the environment can (compat.wants_token_in) and the gateway serves
+        /tokenize (the Tinker sampler does not): then every turn of a rollout is trained, not only the last."""
+        cfg: Any = self.config
+        why_not = compat.wants_token_in(self.vf_env)
+        if why_not is None:
+            root = str(openai.base_url).rstrip("/").removesuffix("/v1")
+            try:
+                await openai.with_options(base_url=root).post(
+                    "/tokenize", body={"model": self.model, "prompt": "a"}, cast_to=object
+                )
+            except APIStatusError as exc:
+                why_not = f"the gateway does not serve /tokenize ({exc.status_code}: {exc.message})"
+        if why_not is None:
+            log.info("verifiers environment %r: turns after the first are sent as token ids", cfg.vf_env)
+            return True
+        log.info("verifiers environment %r: every turn is sent as messages (%s)", cfg.vf_env, why_not)
+        return False
 
     async def get_next_item(self) -> dict[str, Any]:
         row = self.rows[self.next_index % len(self.rows)]
@@ -148,18 +176,13 @@ class VerifiersEnv(ResumableData):
         args.update(n=1, temperature=temperature, max_tokens=max_tokens, logprobs=True, extra_body=extra)
         return args
 
-    async def run_group(self, item: dict[str, Any], n: int, temperature: float, max_tokens: int) -> list[Any]:
+    async def run_group(
+        self, item: dict[str, Any], n: int, temperature: float, max_tokens: int
+    ) -> list[Mapping[str, Any]]:
         """n rollouts of one dataset row, scored by the environment's rubric (verifiers' own group path)."""
-        return list(
-            await self.vf_env.run_group(
-                [deepcopy(item) for _ in range(n)],
-                self.client,
-                self.model,
-                self.sampling_args(temperature, max_tokens),
-                asyncio.Semaphore(n),
-                asyncio.Semaphore(n),
-            )
-        )
+        rows = [deepcopy(item) for _ in range(n)]
+        args = self.sampling_args(temperature, max_tokens)
+        return await compat.run_group(self.vf_env, self.client, rows, self.model, args)
 
     async def collect_trajectories(self, item: dict[str, Any]) -> tuple[ScoredDataGroup | None, list[Any]]:
         cfg: Any = self.config

@@ -17,10 +17,12 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
 
 from inference.errors import BackendError
 from inference.http.guard import INLINE_BODY_BYTES, PARSED_BODY, ParsedBody, in_body_thread
+from inference.policy.registry import Policy
 from inference.wire import (
     MAX_LOOKUP_SEQUENCES,
     MAX_TOKEN_ID,
@@ -41,6 +43,14 @@ MAX_SAMPLING_ITEMS = 1 << 18
 SIZED_SAMPLING_KEYS = ("stop", "stop_token_ids", "bad_words", "logit_bias")
 STEP_IDS = 1 << 16  # token ids validated per pydantic call: a few ms
 _TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(list[TokenId])
+
+
+VERSION_HEADER = "X-Policy-Version"
+
+
+def respond(body: Any, policy: Policy) -> JSONResponse:
+    """A sampling route's answer, with the version of the policy that produced it in its header."""
+    return JSONResponse(body, headers={VERSION_HEADER: str(policy.version)})
 
 
 def validation_message(exc: ValidationError | RequestValidationError, prefix: str = "") -> str:

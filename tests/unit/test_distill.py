@@ -15,7 +15,7 @@ from tests.helpers import FIXTURE, lora_state, make_cfg, trained_token_logprobs
 from trainer.backends.local import LocalBackend, resolve_model_path
 from trainer.training.batch import IntakeOptions, TrainingExample, convert_batch
 from trainer.training.distill import distill_examples
-from trainer.training.losses import LossParams
+from trainer.training.losses import LossInputs, LossParams, compute_loss, compute_reduction_weights
 from trainer.training.schedule import adam_params
 
 
@@ -149,6 +149,74 @@ def test_the_teacher_is_a_peft_folder_or_a_run_folders_newest_adapter_and_local_
         make_cfg(tmp_path, distill__teacher=str(tmp_path), launch__backend="tinker")
     with pytest.raises(ValueError, match="distillation runs in one trainer process"):
         make_cfg(tmp_path, distill__teacher="x", distributed__nproc_per_node=2)
+
+
+def test_a_distillation_run_trains_with_the_clipped_loss_unless_told_otherwise(tmp_path):
+    plain = make_cfg(tmp_path, loss__name="importance_sampling")
+    assert plain.loss_name == "importance_sampling" == plain.loss_params().name  # RL runs: loss.name as set
+    cfg = make_cfg(
+        tmp_path, loss__name="importance_sampling", loss__clip_high_threshold=1.5, distill__teacher="x"
+    )
+    assert cfg.loss_name == "ppo" and cfg.loss_params().clip_bounds() == (0.8, 1.5)  # loss.clip_* still apply
+    cfg = make_cfg(tmp_path, loss__name="cispo", distill__teacher="x", distill__loss=None)
+    assert cfg.loss_params().name == "cispo"
+    with pytest.raises(ValueError, match=r"distill\.loss=cross_entropy ignores the advantages"):
+        make_cfg(tmp_path, distill__teacher="x", distill__loss="cross_entropy")
+    with pytest.raises(ValueError, match=r"loss\.tis_cap applies to ratio losses, not distill\.loss='dro'"):
+        make_cfg(tmp_path, distill__teacher="x", distill__loss="dro", loss__tis_cap=2.0)
+
+
+def distill_categorical(loss: LossParams, seed: int, steps: int = 40) -> list[float]:
+    """Sampled reverse-KL distillation of one categorical distribution, as the toy recipe runs it: 64 sequences of
+    16 tokens per step drawn from the student one version behind (max_staleness 1), advantages from
+    distill_examples, the loss divided by the sequences, Adam with beta2 0.999. The logits are the parameters, at
+    lr 1.0: a sampled token's logprob moves ~0.2 nats per update (the toy run's moved ~0.7). Returns KL(student ||
+    teacher) after each step."""
+    teacher = torch.full((32,), 1e-4, dtype=torch.float64)
+    # the toy teacher's top tokens at a completion position (its run folder's newest adapter, measured)
+    teacher[:4] = torch.tensor([0.45, 0.15, 0.075, 0.07])
+    teacher[4:] += (1 - teacher.sum()) / 28
+    logits = torch.zeros(32, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([logits], lr=1.0, betas=(0.9, 0.999))
+    gen = torch.Generator().manual_seed(seed)
+    sampler, kls = logits.detach().clone(), []
+    for _ in range(steps):
+        sampler_lp = torch.log_softmax(sampler, -1)
+        tokens = torch.multinomial(sampler_lp.exp(), 64 * 16, replacement=True, generator=gen).view(64, 16)
+        rows = [
+            TrainingExample([0] * 16, t.tolist(), [1.0] * 16, sampler_lp[t].tolist(), [0.0] * 16)
+            for t in tokens
+        ]
+        distilled, _ = distill_examples(rows, [teacher.log()[t].tolist() for t in tokens], 1.0, 0.0)
+        mask = torch.ones(64, 16, dtype=torch.float64)
+        inputs = LossInputs(
+            trainer_logprobs_BT=torch.log_softmax(logits, -1)[tokens],
+            sampler_logprobs_BT=sampler_lp[tokens],
+            advantages_BT=torch.tensor([e.advantages for e in distilled], dtype=torch.float64),
+            mask_BT=mask,
+            reduction_weights_BT=compute_reduction_weights(mask, "seq_mean_token_sum", 64 * 16.0, 64),
+        )
+        sampler = logits.detach().clone()  # the next batch is sampled by the version this step starts from
+        opt.zero_grad()
+        compute_loss(inputs, loss)[0].backward()
+        opt.step()
+        student = torch.softmax(logits.detach(), -1)
+        kls.append(float((student * (student.log() - teacher.log())).sum()))
+    return kls
+
+
+def test_a_student_sampled_one_version_behind_does_not_collapse_onto_the_teachers_top_token(tmp_path):
+    """The divergence of the toy recipe's distillation under importance_sampling: the unclipped steps overshoot
+    the teacher into a student that puts all its mass on the teacher's top token (KL -log 0.45 = 0.80), where the
+    sampled reverse KL has no gradient left (only that token is sampled, and d log p / d logits -> 0 as p -> 1).
+    The loss a distillation run trains with by default stays near the teacher."""
+    stuck = math.log(1 / 0.45)
+    collapsed = [distill_categorical(LossParams("importance_sampling"), seed) for seed in range(3)]
+    assert sum(kls[-1] > 0.9 * stuck for kls in collapsed) >= 2, [kls[-5:] for kls in collapsed]
+    default = make_cfg(tmp_path, loss__name="importance_sampling", distill__teacher="x").loss_params()
+    for seed in range(3):
+        kls = distill_categorical(default, seed)
+        assert max(kls[-20:]) < 0.35 * stuck, (seed, kls)
 
 
 def test_distillation_trains_groups_whose_rewards_are_all_equal():

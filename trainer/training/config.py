@@ -6,7 +6,7 @@ Each default is written once, here, with its unit. Loading never touches a model
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -427,6 +427,15 @@ class DistillConfig(_Section):
     reward_coef: float = Field(
         0.0, ge=0, description="weight of the environment's advantage beside it; 0 = pure distillation"
     )
+    # Why not loss.name's importance_sampling: from a sampler one version behind (max_staleness >= 1) its unclipped
+    # steps overshoot the teacher into a one-token student, where the sampled reverse KL has no gradient left to
+    # come back (docs/training.md, "On-policy distillation"). PPO's clip drops the tokens the last update already
+    # moved the advantage's way; with an on-policy sampler (ratio 1) it is the same loss.
+    loss: LossName | None = Field(
+        "ppo",
+        description="the loss a distillation run trains with, in place of loss.name (loss.clip_*, loss.tis_cap "
+        "and loss.reduction apply); None = loss.name",
+    )
 
     @property
     def on(self) -> bool:
@@ -436,6 +445,15 @@ class DistillConfig(_Section):
     def by_url(self) -> bool:
         """The teacher is a server (trainer/training/teacher_http.py), not weights the trainer loads."""
         return self.teacher is not None and is_url_teacher(self.teacher)
+
+    @model_validator(mode="after")
+    def _loss_reads_advantages(self) -> DistillConfig:
+        if self.loss == "cross_entropy":
+            raise ValueError(
+                "distill.loss=cross_entropy ignores the advantages that carry the teacher's logprobs: use ppo (the "
+                "default) or another loss that reads advantages, e.g. importance_sampling"
+            )
+        return self
 
     @model_validator(mode="after")
     def _url_keys_need_a_url(self) -> DistillConfig:
@@ -638,8 +656,9 @@ class RunConfig(_Section):
                     f"inference.{key} is set by the launcher from launch.backend and the tinker: "
                     "section; remove it from the config"
                 )
-        if self.loss.tis_cap is not None and self.loss.name not in RATIO_LOSSES:
-            raise ValueError(f"loss.tis_cap applies to ratio losses, not loss.name={self.loss.name!r}")
+        if self.loss.tis_cap is not None and self.loss_name not in RATIO_LOSSES:
+            key = "distill.loss" if self.loss_name != self.loss.name else "loss.name"
+            raise ValueError(f"loss.tis_cap applies to ratio losses, not {key}={self.loss_name!r}")
         if self.distill.teacher is not None and self.launch.backend == "tinker":
             where = Path(self.distill.teacher).expanduser()
             if where.exists() or self.distill.teacher.startswith(("/", ".", "~", "http://", "https://")):
@@ -665,9 +684,19 @@ class RunConfig(_Section):
             )
         return self
 
+    @property
+    def loss_name(self) -> LossName:
+        """The loss the run trains with: distill.loss in a distillation run (unless None), else loss.name."""
+        if self.distill.on and self.distill.loss is not None:
+            return self.distill.loss
+        return self.loss.name
+
+    def loss_params(self) -> LossParams:
+        return replace(self.loss.params(), name=self.loss_name)
+
     def normalize_std(self) -> bool:
         if self.advantage.normalize_std is None:
-            return self.loss.name == "grpo"
+            return self.loss_name == "grpo"
         return self.advantage.normalize_std
 
 

@@ -330,7 +330,7 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
         missing_sampler_logprobs=cfg.rollout.missing_logprobs if cfg.launch.backend == "local" else "drop",
         normalize_std=cfg.normalize_std(),
         std_eps=cfg.advantage.std_eps,
-        require_sampler_logprobs=cfg.loss.name != "cross_entropy",
+        require_sampler_logprobs=cfg.loss_name != "cross_entropy",
         keep_zero_variance=cfg.distill.on,
     )
     run = RunTally(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step)
@@ -659,7 +659,7 @@ def _one_step(
         adam = build_adam_params(backend.step, cfg.optim)
         # The means divide by the whole batch taken: zero-variance groups count, as in GRPO's mean (BatchScale).
         scale = converted.scale()
-        fb, optim = backend.train_step(examples, cfg.loss.params(), cfg.loss.reduction, adam, scale)
+        fb, optim = backend.train_step(examples, cfg.loss_params(), cfg.loss.reduction, adam, scale)
         train.update({"loss": fb.loss, **optim})
         train.update({k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS})
         times.trained = time.monotonic()

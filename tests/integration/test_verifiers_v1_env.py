@@ -19,7 +19,9 @@ if not VF1_PY.is_file():
         "no .venv-verifiers-v1 (bash launch.sh --setup-verifiers-v1 builds it; it needs the package index)",
         allow_module_level=True,
     )
-STEPS = 10  # about 100 s on 2 cores, half of it vLLM's start
+# About 2 minutes on 2 cores, 50 s of it vLLM's start. Not 10: the pace varies, and at step 10 runs measured 0.89,
+# 0.45 and (in a CI run) 0.22, its curve only starting to rise (0.13, 0.12, 0.17, 0.22 over steps 7-10).
+STEPS = 16
 
 
 def test_a_verifiers_v1_taskset_trains_the_sampled_tokens_on_policy(tmp_path):
@@ -47,7 +49,7 @@ def test_a_verifiers_v1_taskset_trains_the_sampled_tokens_on_policy(tmp_path):
     for key in ("dropped_unknown_version", "kept_unknown_version", "groups_dropped_malformed"):
         assert sum(r.get(f"rollouts/{key}", 0) for r in rows) == 0, key
     rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
-    # The random tiny model starts near 0.1 (as the Atropos toy does); at step 10 two runs measured 0.89 and 0.45.
-    assert rewards[0] <= 0.2 and max(rewards[-3:]) - rewards[0] >= 0.2, rewards
+    # The random tiny model starts near 0.1, as the Atropos toy does, which reaches 0.8 in 7-12 steps.
+    assert rewards[0] <= 0.2 and max(rewards[-3:]) >= 0.5, rewards
     assert "group dropped" not in (run_dir / "logs" / "env.log").read_text()
     assert_nothing_left(run_dir)

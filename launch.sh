@@ -37,6 +37,7 @@ PY_FLOOR_MINOR=11  # Python 3.11 or newer (pyproject's requires-python)
 #   PYTHON=/path/to/python3.X  the interpreter a new .venv is made with (it must be 3.11 or newer)
 #   LAUNCH_TARGET=cpu|gpu      install that extra whatever this machine has (default: gpu where `nvidia-smi -L` lists a
 #                              GPU, else cpu); e.g. build the GPU venv on a login node when the GPU nodes have no network
+#   LAUNCH_SKIP_DISK_CHECK=1   install even where df says the disk is too small (the check is an estimate)
 #   LAUNCH_SETUP_PLAN=1        print the set-up decision (machine, target, python, action, reason) on stdout and exit
 #                              before installing anything: the same decision code, for tests and for a look first
 # The stamp $VENV/.installed-<hash of pyproject.toml + SETUP_RECIPE> records what was installed (extra=cpu|gpu),
@@ -196,8 +197,35 @@ cuda_check_result() {
   echo passed
 }
 
+# Free space set-up needs, in GB: the venv (CPU 3.3 GB measured; a GPU one holds CUDA builds of torch and vLLM)
+# plus pip's unpacked wheels in TMPDIR. Checked before pip starts, so a full disk is named rather than met halfway.
+SETUP_DISK_GB_CPU=6 SETUP_DISK_GB_GPU=16 SETUP_DISK_GB_UPDATE=1 SETUP_DISK_GB_VERIFIERS=2
+
+# DIR GB WHAT: refuse (exit 1) when the filesystem of DIR or of pip's temporary folder has under GB free.
+need_disk() {
+  local d free_mb mount
+  [ "${LAUNCH_SKIP_DISK_CHECK:-}" = 1 ] && return 0
+  for d in "$1" "${TMPDIR:-/tmp}"; do
+    while [ ! -e "$d" ] && [ "$d" != / ]; do d="$(dirname "$d")"; done
+    free_mb="$(df -Pk "$d" 2>/dev/null | awk 'NR == 2 { print int($4 / 1024) }')"
+    [ -n "$free_mb" ] || continue  # no df answer: nothing to say
+    if [ "$free_mb" -lt $(($2 * 1024)) ]; then
+      mount="$(df -Pk "$d" | awk 'NR == 2 { print $6 }')"
+      echo "[launch.sh] not enough disk for $3: it needs about $2 GB free, and $d (on $mount) has $(awk -v m="$free_mb" 'BEGIN { printf "%.1f", m / 1024 }') GB free. Free some space there, or put the venv (VENV=/other/disk/.venv) or pip's temporary files (TMPDIR=/other/disk/tmp) on a larger disk, then run the same command again (LAUNCH_SKIP_DISK_CHECK=1 skips this check)" >&2
+      exit 1
+    fi
+  done
+}
+
 setup_install() {
   local extras="$TARGET,dev,tinker" check=n/a
+  if [ "$ACTION" = update ]; then
+    need_disk "$VENV" "$SETUP_DISK_GB_UPDATE" "updating $VENV"
+  elif [ "$TARGET" = gpu ]; then
+    need_disk "$VENV" "$SETUP_DISK_GB_GPU" "a GPU $VENV"
+  else
+    need_disk "$VENV" "$SETUP_DISK_GB_CPU" "a CPU $VENV"
+  fi
   # tinker is optional at run time (the local path never imports it) but installed so --backend tinker works.
   echo "[launch.sh] setting up $VENV with extras [$extras] (first run takes a few minutes)" >&2
   if [ "$ACTION" = rebuild ]; then
@@ -286,6 +314,7 @@ setup_verifiers_venv() {
   local venv="$1" requirements="$2" stamp
   stamp="$venv/.installed-$(sha256sum <"$requirements" | cut -c1-16)"
   [ -f "$stamp" ] && return 0
+  need_disk "$venv" "$SETUP_DISK_GB_VERIFIERS" "$venv"
   echo "[launch.sh] setting up $venv for verifiers environments ($(grep -v '^#' "$requirements" | xargs))" >&2
   [ -x "$venv/bin/python" ] || "$VENV/bin/python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip

@@ -14,10 +14,12 @@ import importlib.metadata
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -212,6 +214,9 @@ class VLLMBackend:
         self.restart_reasons: list[str] = []  # why each crash restart happened, oldest first (the last 10)
         self.max_model_len: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        # vLLM's ZMQ sockets (VLLM_RPC_BASE_PATH, else the system temp folder): a folder per process, removed once
+        # its group is gone, so a night of kills and restarts leaves no socket files behind.
+        self._rpc_dir: Path | None = None
         self._ready = asyncio.Event()
         self._client = httpx.AsyncClient(
             headers={"Authorization": f"Bearer {self.api_key}"},
@@ -245,9 +250,11 @@ class VLLMBackend:
             self.loaded = set()
             self._incarnation += 1
             self._served = False
+            self._drop_rpc_dir()
+            self._rpc_dir = Path(tempfile.mkdtemp(prefix="vllm-rpc-"))
             self.proc = subprocess.Popen(
                 argv,
-                env={**os.environ, **extra_env, **self.extra_env},
+                env={"VLLM_RPC_BASE_PATH": str(self._rpc_dir), **os.environ, **extra_env, **self.extra_env},
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -411,6 +418,12 @@ class VLLMBackend:
                 os.killpg(proc.pid, signal.SIGKILL)
             await poll_until(gone, SIGKILL_REAP_S, 0.05)  # its engine processes, killed but not reaped yet
         await asyncio.to_thread(proc.wait)
+        self._drop_rpc_dir()
+
+    def _drop_rpc_dir(self) -> None:
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
 
     async def stop(self) -> None:
         self.state = "stopped"

@@ -295,6 +295,12 @@ def engine_pid(api_pid: int) -> int:
     raise AssertionError(f"no engine process among {children(api_pid)} of vLLM {api_pid}")
 
 
+def rpc_dir(pid: int) -> Path:
+    """The folder the gateway gave this vLLM process for its ZMQ sockets."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return Path(next(e for e in environ if e.startswith(b"VLLM_RPC_BASE_PATH=")).split(b"=", 1)[1].decode())
+
+
 def generate_in_thread(url: str, result: dict[str, Any]) -> threading.Thread:
     def run() -> None:
         r = httpx.post(
@@ -345,6 +351,8 @@ def test_kill_9_of_vllm_mid_request_heals(own_gateway, heal_adapters, victim):
     st = status(url)
     api_pid, restarts = st["backend_pid"], st["restarts"]
     target = api_pid if victim == "api_server" else engine_pid(api_pid)
+    old_sockets = rpc_dir(api_pid)
+    assert any(old_sockets.iterdir()), f"vLLM's sockets are not in {old_sockets}"
     thread, result = generation_in_flight(url)
     time.sleep(0.5)  # let vLLM start generating it
     os.kill(target, signal.SIGKILL)
@@ -378,6 +386,8 @@ def test_kill_9_of_vllm_mid_request_heals(own_gateway, heal_adapters, victim):
     st = status(url)
     assert st["restarts"] == restarts + 1 and st["backend_pid"] != api_pid and st["current_version"] == v
     wait_until(lambda: not group_alive(api_pid), 10, "the dead vLLM's group gone", 0.2)
+    assert not old_sockets.exists(), "the killed vLLM's socket folder was left behind"
+    assert any(rpc_dir(st["backend_pid"]).iterdir())
 
 
 @pytest.mark.slow
@@ -450,6 +460,8 @@ def test_sigterm_of_gateway_stops_vllm(own_gateway):
     url, proc, _ = own_gateway
     pid = status(url)["backend_pid"]
     assert pid is not None
+    sockets = rpc_dir(pid)
     proc.terminate()
     proc.wait(timeout=60)
     wait_until(lambda: not group_alive(pid), 30, "vLLM's process group gone", 0.2)
+    assert not sockets.exists(), "vLLM's socket folder outlived the gateway"

@@ -321,3 +321,37 @@ def test_auto_and_cuda_take_the_gpu_when_torch_sees_one(monkeypatch, tmp_path: P
 
 def test_the_gpu_recipe_asks_for_cuda():
     assert load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml").model.device == "cuda"
+
+
+def fake_df(bin_dir: Path, free_kb: int) -> None:
+    """Every filesystem has `free_kb` KiB available (POSIX `df -Pk` layout)."""
+    write_script(
+        bin_dir / "df",
+        'echo "Filesystem 1024-blocks Used Available Capacity Mounted on"\n'
+        f'echo "/dev/vdz 4000000 3000000 {free_kb} 99% /data"',
+    )
+
+
+def test_a_full_disk_is_named_before_pip_starts(box: Box, tmp_path: Path):
+    fake_python(box.bin / "python3.11", "3.11")
+    fake_df(box.bin, 300 * 1024)  # 300 MB, as a nearly full CI disk had
+    proc = box.setup(plan=False)
+    assert proc.returncode == 1
+    assert "not enough disk for a CPU" in proc.stderr and "needs about 6 GB free" in proc.stderr
+    assert "has 0.3 GB free" in proc.stderr and "on /data" in proc.stderr and "TMPDIR=" in proc.stderr
+    assert not (box.venv / "bin").exists()  # refused before the venv was made
+    fake_nvidia_smi(box.bin, "580.95.05")
+    assert "needs about 16 GB free" in box.setup(plan=False).stderr
+
+    box.make_venv()
+    box.stamp().write_text("extra=cpu\n")  # a stamp of another pyproject: an update in place needs less
+    fake_nvidia_smi(box.bin, None)
+    for old in box.venv.glob(".installed-*"):
+        old.rename(box.venv / ".installed-0000")
+    proc = box.setup(plan=False)
+    assert (
+        proc.returncode == 1 and "not enough disk for updating" in proc.stderr and "about 1 GB" in proc.stderr
+    )
+    fake_df(box.bin, 2 * 1024 * 1024)
+    proc = box.setup(plan=False, LAUNCH_SKIP_DISK_CHECK="1")
+    assert "not enough disk" not in proc.stderr

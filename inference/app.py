@@ -33,6 +33,7 @@ from inference.http.intake import (
     json_object,
     lookup_request,
     off_loop,
+    request_env,
     resolved_path,
     respond,
     until_disconnect,
@@ -182,7 +183,12 @@ class Gateway:
         if episode is not None:
             self.gate.admit_continuation()
         else:
-            await (self.gate.wait(n) if request is None else until_disconnect(request, self.gate.wait(n)))
+            env = None if request is None else request_env(request)
+            await (
+                self.gate.wait(n, env)
+                if request is None
+                else until_disconnect(request, self.gate.wait(n, env))
+            )
         async with self.lane.enter(solo):
             return await self._run_on_policy(coro_fn, request, episode)
 
@@ -603,7 +609,7 @@ def policy_routes(gw: Gateway) -> APIRouter:
             req = ExpectRequest.model_validate(await json_object(request))
         except ValidationError as exc:
             raise BackendError(400, validation_message(exc)) from exc
-        gw.gate.set_quota(req.quota, req.refill_s)
+        gw.gate.set_quota(req.quota, req.refill_s, req.env_quotas)
         if req.version > registry.current.version:
             gw.gate.close(req.version, req.hold_s)
             return ExpectResponse(holding_for=req.version)

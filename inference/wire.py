@@ -324,6 +324,10 @@ class PublishResponse(BaseModel):
     verify_s: float | None = None
 
 
+MAX_ENVS = 256  # environments of a mixed run the gate keeps quotas for
+EnvName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+
+
 class ExpectRequest(BaseModel):
     """The trainer took a batch and will publish `version`: hold new generation requests until it is current, for
     at most `hold_s`. A version that is not newer than the current one opens the gate (the step made no update)."""
@@ -338,6 +342,14 @@ class ExpectRequest(BaseModel):
         le=2**31,
         description="sequences allowed on each version from its publish on (the trainer's batch); further "
         "requests wait for the next version, or for refill_s once nothing runs on the current one",
+    )
+    env_quotas: (
+        Annotated[dict[EnvName, Annotated[StrictInt, Field(ge=1, le=2**31)]], Field(max_length=MAX_ENVS)]
+        | None
+    ) = Field(
+        None,
+        description="a mixed run: sequences each environment may start on a version (its share of the batch); "
+        "a request is the environment its bearer key names (rlcommon/envkeys.py), others count against `quota`",
     )
     refill_s: Annotated[Finite, Field(gt=0, le=600)] = 1.0
 

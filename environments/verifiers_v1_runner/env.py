@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import random
 import sys
 from collections.abc import Sequence
@@ -152,9 +153,11 @@ class VerifiersV1Env(ResumableData):
             raise ValueError(f"verifiers v1 taskset {cfg.vf_env!r} has no tasks")
         random.Random(cfg.seed).shuffle(self.tasks)
         server = self.server.servers[0].config
+        # verifiers reads the key from this variable (which also keeps it off Prime's defaults); the launcher's key
+        # is no secret (loopback) but names this environment to the gateway's on-policy gate.
+        os.environ["GATEWAY_API_KEY"] = server.api_key or "local"
         self.ctx = vf.ModelContext(
             model=server.model_name,
-            # The gateway's key is no secret (loopback); the variable only keeps verifiers off Prime's defaults.
             client=vf.TrainClientConfig(
                 base_url=server.base_url,
                 api_key_var="GATEWAY_API_KEY",

@@ -33,6 +33,7 @@ from inference.wire import (
     TokenId,
     VLLMGenerateRequest,
 )
+from rlcommon.envkeys import env_of_key
 
 T = TypeVar("T")
 # Without the model's context (vLLM not up yet, or a Tinker sampler without vllm.max_model_len): no model the
@@ -51,6 +52,13 @@ VERSION_HEADER = "X-Policy-Version"
 def respond(body: Any, policy: Policy) -> JSONResponse:
     """A sampling route's answer, with the version of the policy that produced it in its header."""
     return JSONResponse(body, headers={VERSION_HEADER: str(policy.version)})
+
+
+def request_env(request: Request) -> str | None:
+    """The environment a generation request comes from, by its bearer key (rlcommon/envkeys.py); None for any
+    other key or none."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    return env_of_key(key.strip()) if scheme.lower() == "bearer" else None
 
 
 def validation_message(exc: ValidationError | RequestValidationError, prefix: str = "") -> str:

@@ -12,6 +12,12 @@ as stale at max_staleness 0).
   sequences have been started on the current version, further requests wait for the next one too. An environment
   that throws groups away (equal scores, failures) needs more than a batch: when nothing is running on the current
   version and the trainer has not taken a batch within `refill_s`, the held requests go through on it after all.
+- **A quota per environment** in a mixed run. run-api fills each batch with each environment's share, and
+  atroposlib's pacing keeps one group per environment queued beyond it; under one quota for the whole batch,
+  whichever environment asks first starts more than its share on a version, and what run-api does not hand out
+  with that version's batch is stale a version later. With `env_quotas` each environment (named by the bearer key
+  of its requests, rlcommon/envkeys.py) may start its own share per version; requests naming no
+  environment of the quotas count against the batch's.
 - **Continuations pass.** A request that continues an episode (its prompt starts with a turn the gateway sampled:
   the app asks the ledger, inference/policy/registry.py VersionLedger.continued) neither waits nor counts against
   the quota: the episode was admitted with its first turn. Held at a closed gate, its later turns would be sampled
@@ -55,10 +61,14 @@ class Gate:
         self._deadline: asyncio.TimerHandle | None = None
         # The quota: sequences allowed on the current version (None: no limit), and how many were started.
         self.quota: int | None = None
+        self.env_quotas: dict[str, int] = {}
         self.refill_s = 1.0
         self._allowed: int | None = None
         self._started = 0
+        self._allowed_env: dict[str, int] = {}  # per environment of env_quotas, as _allowed for the batch
+        self._started_env: dict[str, int] = {}
         self._over_quota = 0  # sequences waiting only for the quota
+        self._over_env: dict[str, int] = {}  # the same, by environment of env_quotas
         self._refill: asyncio.TimerHandle | None = None
         self.last: GateSpell | None = None
         self.held_total = 0
@@ -76,9 +86,13 @@ class Gate:
         """Requests waiting at the gate now."""
         return self._holding_now
 
-    def set_quota(self, sequences: int | None, refill_s: float) -> None:
-        """From the next opening on, allow `sequences` per version (None: no quota)."""
+    def set_quota(
+        self, sequences: int | None, refill_s: float, env_quotas: dict[str, int] | None = None
+    ) -> None:
+        """From the next opening on, allow `sequences` per version (None: no quota), and each environment of
+        `env_quotas` its own number."""
         self.quota, self.refill_s = sequences, refill_s
+        self.env_quotas = dict(env_quotas or {}) if sequences is not None else {}
 
     def close(self, version: int, hold_s: float) -> None:
         """Hold new requests until `version` is published, for at most `hold_s` from now. Closing again (a retried
@@ -114,6 +128,7 @@ class Gate:
             self._deadline = None
         self._cancel_refill()
         self._allowed, self._started = self.quota, 0
+        self._allowed_env, self._started_env = dict(self.env_quotas), dict.fromkeys(self.env_quotas, 0)
         spell = None
         if self._waiting_for is not None:
             closed_s = time.monotonic() - self._closed_at
@@ -123,35 +138,50 @@ class Gate:
         self._wake()
         return spell
 
-    def _passable(self, n: int) -> bool:
+    def _passable(self, n: int, env: str | None) -> bool:
         if self._waiting_for is not None:
             return False
         # One request larger than the whole quota still goes through on a fresh version.
+        if env in self._allowed_env:
+            started = self._started_env[env]
+            return started + n <= self._allowed_env[env] or started == 0
         return self._allowed is None or self._started + n <= self._allowed or self._started == 0
 
-    async def wait(self, n: int = 1) -> float:
-        """Return once a request for `n` sequences may start; the seconds it was held."""
-        if self._passable(n):
-            self._started += n
+    def _start(self, n: int, env: str | None) -> None:
+        self._started += n
+        if env in self._started_env:
+            self._started_env[env] += n
+
+    async def wait(self, n: int = 1, env: str | None = None) -> float:
+        """Return once a request for `n` sequences from environment `env` (None: not named) may start; the
+        seconds it was held."""
+        if self._passable(n, env):
+            self._start(n, env)
             return 0.0
         started = time.monotonic()
         self._held += 1
         self.held_total += 1
         self._holding_now += 1
-        over_quota = self._waiting_for is None
-        self._over_quota += n if over_quota else 0
-        if over_quota:
+        over = n if self._waiting_for is None else 0  # held by the quota, not by a closed gate
+        key = env if env in self._allowed_env else None
+        self._count_over(key, over)
+        if over:
             self.request_done()  # nothing may be running to end and trigger the refill
         try:
             async with self._cond:
-                await self._cond.wait_for(lambda: self._passable(n))
-                self._started += n
+                await self._cond.wait_for(lambda: self._passable(n, env))
+                self._start(n, env)
         finally:
             self._holding_now -= 1
-            self._over_quota -= n if over_quota else 0
+            self._count_over(key, -over)
             held = time.monotonic() - started
             self.hold_s_total += held
         return held
+
+    def _count_over(self, env: str | None, n: int) -> None:
+        self._over_quota += n
+        if env is not None:
+            self._over_env[env] = self._over_env.get(env, 0) + n
 
     def admit_continuation(self) -> None:
         """Let a request through that continues an episode already admitted: at once, closed or not, outside the
@@ -177,6 +207,8 @@ class Gate:
             return
         self.refills_total += 1
         self._allowed = self._started + self._over_quota
+        for env in self._allowed_env:
+            self._allowed_env[env] = self._started_env[env] + self._over_env.get(env, 0)
         self._wake()
 
     def _cancel_refill(self) -> None:

@@ -74,6 +74,8 @@ def test_each_environment_gets_its_process_share_and_weight():
     toy, residue = comps["env-toy"], comps["env-residue-1"]
     assert "--env.min_batch_allocation=0.75" in toy and "--env.inference_weight=3.0" in toy
     assert "--env.wandb_name=toy-0" in toy
+    # the bearer key that names each environment to the gateway's gate, shared by an environment's workers
+    assert "--openai.api_key=rl-env:toy" in toy and "--openai.api_key=rl-env:residue" in residue
     # two workers split the environment's share; each registers under its own name
     assert "--env.min_batch_allocation=0.125" in residue and "--env.wandb_name=residue-1" in residue
     assert residue[2:4] == ["environments.upstream", RESIDUE]
@@ -262,3 +264,23 @@ def test_an_environment_sending_nothing_holds_batches_only_for_mix_wait_s_and_it
     assert batch_env_ids(run_api) == [a, a, a, b]  # it sends again: an ordinary batch, nothing more counted
     residue = run_api.get("/envs").json()["envs"][1]
     assert (residue["short_batches"], residue["shortfall_sequences"]) == (2, 8)
+
+
+def test_a_mixed_run_gives_the_gate_each_environments_share(monkeypatch):
+    from trainer.training import loop
+
+    asked: list[tuple] = []
+
+    class Gateway:
+        def expect(self, *args):
+            asked.append(args)
+
+    loop._close_gate(mixed("rollout.max_staleness=0"), Gateway(), 3)  # type: ignore[arg-type]
+    assert asked[-1][-1] == {"toy": 48, "residue": 16}  # run-api's allotments (env_share_lines)
+    uneven = f"rollout.envs=[{{env: toy, weight: 2}}, {{env: {RESIDUE}, name: residue, weight: 1}}]"
+    loop._close_gate(mixed(uneven), Gateway(), 3)  # type: ignore[arg-type]
+    assert asked[-1][-1] == {"toy": 48, "residue": 24}  # 42.7 and 21.3 sequences, up to whole groups of 8
+    loop._close_gate(mixed("publish.gate_quota=false"), Gateway(), 3)  # type: ignore[arg-type]
+    assert asked[-1][2] is None and asked[-1][-1] is None
+    loop._close_gate(load_config(RunConfig, None, BASE), Gateway(), 3)  # type: ignore[arg-type]
+    assert asked[-1][2] == 64 and asked[-1][-1] is None  # one environment: the batch's quota is its own

@@ -227,6 +227,76 @@ async def test_the_gateway_applies_the_quota_per_version(tmp_path):
         assert (await early).headers["x-policy-version"] == "1"
 
 
+async def test_each_environment_of_a_mixed_run_starts_only_its_own_share_per_version():
+    running = {"n": 0}
+    gate = Gate(lambda: running["n"])
+    gate.set_quota(16, refill_s=0.2, env_quotas={"toy": 12, "residue": 4})
+    gate.open()
+    # toy asks first and keeps asking (atroposlib's pacing: its share and a group more); it may not take
+    # residue's place in this version's batch.
+    for _ in range(3):
+        assert await gate.wait(4, "toy") == 0.0
+    toy_extra = asyncio.create_task(gate.wait(4, "toy"))
+    await asyncio.sleep(0.05)
+    assert not toy_extra.done()
+    assert await gate.wait(4, "residue") == 0.0  # residue's share is still there
+    residue_extra = asyncio.create_task(gate.wait(4, "residue"))
+    unnamed = asyncio.create_task(gate.wait(4))  # a request naming no environment: the batch's 16 are started
+    await asyncio.sleep(0.05)
+    assert not residue_extra.done() and not unnamed.done() and gate.holding == 3
+    # The next version: each extra group starts on it, against its own environment's share.
+    gate.close(2, hold_s=30)
+    gate.open()
+    assert await toy_extra > 0 and await residue_extra > 0 and await unnamed > 0
+    assert await gate.wait(8, "toy") == 0.0  # 4 + 8 of toy's 12
+    late_residue = asyncio.create_task(gate.wait(4, "residue"))  # 4 of 4 already started
+    await asyncio.sleep(0.05)
+    assert not late_residue.done()
+    # Short of its share (a discarded group), with nothing running: the refill lets each environment go on.
+    gate.request_done()
+    await asyncio.sleep(0.35)
+    assert late_residue.done() and gate.refills_total == 1
+    # A quota without environments, or env_quotas without a quota, is the batch's alone.
+    gate.set_quota(None, refill_s=0.2, env_quotas={"toy": 4})
+    gate.open()
+    assert gate.env_quotas == {} and await gate.wait(64, "toy") == 0.0
+
+
+async def test_the_gateway_tells_environments_apart_by_their_bearer_key(tmp_path):
+    client, _ = client_for(ScriptedBackend())
+    quotas = {"version": 0, "quota": 4, "refill_s": 30, "env_quotas": {"a": 2, "b": 2}}
+    body = {"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 4, "n": 2}
+
+    def key(name: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer rl-env:{name}"}
+
+    async with client:
+        assert (await client.post("/policy/expect", json=quotas)).status_code == 200
+        assert (await client.post("/generate", json=body, headers=key("a"))).status_code == 200
+        a_extra = asyncio.create_task(client.post("/generate", json=body, headers=key("a")))
+        await asyncio.sleep(0.2)
+        assert not a_extra.done()  # a's 2 are started; b's 2 are b's
+        b = await client.post("/generate", json=body, headers=key("b"))
+        assert b.status_code == 200 and b.headers["x-policy-version"] == "0"
+        other = asyncio.create_task(client.post("/generate", json=body, headers={"Authorization": "Bearer local"}))
+        await asyncio.sleep(0.2)
+        assert not other.done()  # names no environment: the batch's 4 are started
+        await client.post("/policy/expect", json={**quotas, "version": 1})
+        await client.post("/policy/publish", json=publish_body(1, make_adapter(tmp_path, "a1")))
+        assert (await a_extra).headers["x-policy-version"] == "1" and (await other).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "env_quotas",
+    [{"a": 0}, {"a": -4}, {"a": 2.5}, {"a": "4"}, {"": 4}, {"a\nb": 4}, {f"e{i}": 1 for i in range(300)}, [4]],
+)
+async def test_expect_refuses_bad_env_quotas(env_quotas):
+    client, _ = client_for(ScriptedBackend())
+    async with client:
+        r = await client.post("/policy/expect", json={"version": 0, "quota": 4, "env_quotas": env_quotas})
+    assert r.status_code == 400 and "env_quotas" in r.json()["error"]["message"], r.text
+
+
 class FlakyGateway:
     """A gateway client whose publishes are refused by verification `refusals` times, then accepted."""
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 import os
 import re
 import subprocess
@@ -20,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rlcommon.envkeys import env_key
 from trainer.orchestration.processes import Component
 from trainer.orchestration.slurm import Placement, srun_prefix
 from trainer.training.config import VERIFIERS_PREFIX, ConfigError, EnvSpec, RunConfig
@@ -137,7 +137,8 @@ def env_command(cfg: RunConfig, model_path: str, worker: int, spec: EnvSpec | No
         "env.temperature": r.temperature,
         "env.max_new_tokens": r.max_new_tokens,
         "openai.base_url": f"{cfg.launch.gateway_url}/v1",
-        "openai.api_key": "local",
+        # The gateway tells environments apart by this key: a mixed run's gate holds each to its own share.
+        "openai.api_key": env_key(spec.name),
         "openai.model_name": model_path,
         "openai.tokenizer_name": model_path,
         "openai.server_type": "vllm",
@@ -214,7 +215,7 @@ def env_share_lines(cfg: RunConfig) -> list[str]:
     batch = cfg.rollout.batch_size
     lines = []
     for spec in cfg.rollout.env_specs():
-        seqs = math.ceil(int(batch * spec.share) / spec.group_size) * spec.group_size
+        seqs = spec.batch_sequences(batch)
         lines.append(
             f"environment {spec.name}: weight {spec.weight:g}, share {spec.share:.3f}: run-api fills {seqs} of "
             f"each batch's {batch} sequences from it first ({seqs // spec.group_size} groups of {spec.group_size}), "

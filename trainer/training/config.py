@@ -271,6 +271,10 @@ class EnvSpec:
     def is_file(self) -> bool:
         return not self.is_verifiers and self.env.endswith(".py")
 
+    def batch_sequences(self, batch_size: int) -> int:
+        """Sequences run-api fills each batch with from this environment first: its share, up to whole groups."""
+        return math.ceil(int(batch_size * self.share) / self.group_size) * self.group_size
+
 
 class RolloutConfig(_Section):
     env: str = Field(

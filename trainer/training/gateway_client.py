@@ -72,11 +72,19 @@ class GatewayClient:
         return PublishResponse.model_validate(raw)
 
     def expect(
-        self, version: int, hold_s: float, quota: int | None = None, refill_s: float = 1.0
+        self,
+        version: int,
+        hold_s: float,
+        quota: int | None = None,
+        refill_s: float = 1.0,
+        env_quotas: dict[str, int] | None = None,
     ) -> ExpectResponse:
         """Close the on-policy gate until `version` is published (or open it: a version not newer than the
-        current one); `quota` sequences per version from then on (inference/policy/gate.py)."""
-        body = ExpectRequest(version=version, hold_s=hold_s, quota=quota, refill_s=refill_s).model_dump()
+        current one); `quota` sequences per version from then on, `env_quotas` of them per environment of a mixed
+        run (inference/policy/gate.py)."""
+        body = ExpectRequest(
+            version=version, hold_s=hold_s, quota=quota, refill_s=refill_s, env_quotas=env_quotas
+        ).model_dump()
         return ExpectResponse.model_validate(self._post("/policy/expect", body))
 
     def lookup(self, sequences: list[list[int]]) -> list[int | None]:

@@ -380,8 +380,15 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
 
 def _close_gate(cfg: RunConfig, gateway: GatewayClient, version: int) -> ExpectResponse:
     """Hold new requests for `version` (opens the gate when it is not newer than the current one)."""
-    quota = cfg.rollout.batch_size if cfg.publish.gate_quota else None
-    return gateway.expect(version, cfg.publish.gate_hold_s, quota, cfg.publish.gate_refill_s)
+    r = cfg.rollout
+    quota = r.batch_size if cfg.publish.gate_quota else None
+    # A mixed run: each environment its own share of the batch per version (run-api's), named by its bearer key.
+    env_quotas = (
+        {spec.name: spec.batch_sequences(r.batch_size) for spec in r.env_specs()}
+        if r.envs and quota
+        else None
+    )
+    return gateway.expect(version, cfg.publish.gate_hold_s, quota, cfg.publish.gate_refill_s, env_quotas)
 
 
 @dataclass

@@ -644,8 +644,10 @@ def policy_routes(gw: Gateway) -> APIRouter:
             gate_held_total=gw.gate.held_total,
             gate_expired_total=gw.gate.expired_total,
             gate_refills_total=gw.gate.refills_total,
+            gate_carried_total=gw.gate.carried_total,
             gate_continuations_total=gw.gate.continuations_total,
             continuations_moved_total=gw.continuations_moved,
+            gate_started_by_env=gw.gate.started_by_env(),
         )
         if gw.authorized(request):  # where vLLM listens and its PIDs are for the token's holders only
             state.backend_url = backend.url

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("inference.gate")
+MAX_SEEN_ENVS = 256  # environment names counted for GET /policy: a client naming endless ones grows nothing
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,14 @@ class Gate:
         self._started_env: dict[str, int] = {}
         self._over_quota = 0  # sequences waiting only for the quota
         self._over_env: dict[str, int] = {}  # the same, by environment of env_quotas
+        self._seen_env: dict[str, int] = {}  # started on this version by each environment named (for GET /policy)
         self._refill: asyncio.TimerHandle | None = None
         self.last: GateSpell | None = None
         self.held_total = 0
         self.hold_s_total = 0.0  # summed over held requests
         self.expired_total = 0
         self.refills_total = 0
+        self.carried_total = 0  # sequences taken off a version's quota for what the one before started beyond it
         self.continuations_total = 0
 
     @property
@@ -85,6 +88,10 @@ class Gate:
     def holding(self) -> int:
         """Requests waiting at the gate now."""
         return self._holding_now
+
+    def started_by_env(self) -> dict[str, int]:
+        """Sequences started on the current version by each environment named in requests; "" for the rest."""
+        return {**self._seen_env, "": self._started - sum(self._seen_env.values())}
 
     def set_quota(
         self, sequences: int | None, refill_s: float, env_quotas: dict[str, int] | None = None
@@ -127,8 +134,22 @@ class Gate:
             self._deadline.cancel()
             self._deadline = None
         self._cancel_refill()
-        self._allowed, self._started = self.quota, 0
-        self._allowed_env, self._started_env = dict(self.env_quotas), dict.fromkeys(self.env_quotas, 0)
+        # Sequences a version started beyond its quota (a refill let them through) are queued beyond the next
+        # batch: run-api hands them out first, oldest first, with the next version's batch. At max_staleness 0 they
+        # are stale there and each takes a fresh group's place, which is stale a batch later, and so on for the rest
+        # of the run (measured: one group per environment per step, from the first refill on). The next version
+        # starts that many fewer, so the surplus is used up in one batch.
+        carry = self._surplus(self._started, self._allowed, self.quota)
+        carry_env = {
+            env: self._surplus(self._started_env.get(env, 0), self._allowed_env.get(env), quota)
+            for env, quota in self.env_quotas.items()
+        }
+        self._allowed = None if self.quota is None else max(0, self.quota - carry)
+        self._started = 0
+        self._allowed_env = {env: max(0, q - carry_env[env]) for env, q in self.env_quotas.items()}
+        self._started_env = dict.fromkeys(self.env_quotas, 0)
+        self.carried_total += sum(carry_env.values()) if carry_env else carry
+        self._seen_env = {}
         spell = None
         if self._waiting_for is not None:
             closed_s = time.monotonic() - self._closed_at
@@ -138,17 +159,28 @@ class Gate:
         self._wake()
         return spell
 
+    @staticmethod
+    def _surplus(started: int, allowed: int | None, quota: int | None) -> int:
+        """What a version that ran under a quota started beyond it."""
+        if allowed is None or quota is None:
+            return 0
+        return max(0, started - quota)
+
     def _passable(self, n: int, env: str | None) -> bool:
         if self._waiting_for is not None:
             return False
         # One request larger than the whole quota still goes through on a fresh version.
         if env in self._allowed_env:
-            started = self._started_env[env]
-            return started + n <= self._allowed_env[env] or started == 0
-        return self._allowed is None or self._started + n <= self._allowed or self._started == 0
+            started, allowed = self._started_env[env], self._allowed_env[env]
+            return started + n <= allowed or (started == 0 and allowed > 0)
+        if self._allowed is None:
+            return True
+        return self._started + n <= self._allowed or (self._started == 0 and self._allowed > 0)
 
     def _start(self, n: int, env: str | None) -> None:
         self._started += n
+        if env is not None and (env in self._seen_env or len(self._seen_env) < MAX_SEEN_ENVS):
+            self._seen_env[env] = self._seen_env.get(env, 0) + n
         if env in self._started_env:
             self._started_env[env] += n
 

@@ -86,6 +86,8 @@ def test_each_environment_gets_its_process_share_and_weight():
     assert env_share_lines(mixed("rollout.max_staleness=1"))[2].startswith(
         "rollout.max_staleness=1: atroposlib"
     )
+    assert "waits for the next one" in env_share_lines(mixed("rollout.max_staleness=0"))[2]
+    assert "waits for the next one" in env_share_lines(mixed("rollout.max_staleness=1", "publish.gate=on"))[2]
 
 
 def test_one_environment_keeps_its_command_and_atroposlib_app():

@@ -262,6 +262,33 @@ async def test_each_environment_of_a_mixed_run_starts_only_its_own_share_per_ver
     assert gate.env_quotas == {} and await gate.wait(64, "toy") == 0.0
 
 
+async def test_what_a_refill_started_beyond_the_quota_comes_off_the_next_version():
+    """Beyond its share, a refilled group is queued past the batch: run-api hands it out first with the next
+    version's batch (stale there at max_staleness 0) in place of a fresh group, which is then left over in its
+    turn. The next version starts that much less, which ends the chain after one batch."""
+    gate = Gate()
+    gate.set_quota(16, refill_s=0.1, env_quotas={"toy": 12, "residue": 4})
+    gate.open()
+    for env, n in (("toy", 4), ("toy", 4), ("toy", 4), ("residue", 4)):
+        assert await gate.wait(n, env) == 0.0
+    extra = [asyncio.create_task(gate.wait(4, env)) for env in ("toy", "toy", "residue")]
+    gate.request_done()  # nothing runs and no batch is taken: the refill lets all three through
+    await asyncio.sleep(0.3)
+    assert all(t.done() for t in extra) and gate.started_by_env() == {"toy": 20, "residue": 8, "": 0}
+    gate.close(2, hold_s=30)
+    gate.open()
+    assert gate.carried_total == 12
+    assert await gate.wait(4, "toy") == 0.0  # toy may start 12 - 8 = 4 on this version
+    toy_next = asyncio.create_task(gate.wait(4, "toy"))
+    residue_next = asyncio.create_task(gate.wait(4, "residue"))  # residue's 4 came off: none on this version
+    await asyncio.sleep(0.05)
+    assert not toy_next.done() and not residue_next.done()
+    gate.close(3, hold_s=30)
+    gate.open()  # that version started no more than its quota: the next has its whole share again
+    assert await toy_next > 0 and await residue_next > 0
+    assert gate.started_by_env() == {"toy": 4, "residue": 4, "": 0} and gate.carried_total == 12
+
+
 async def test_the_gateway_tells_environments_apart_by_their_bearer_key(tmp_path):
     client, _ = client_for(ScriptedBackend())
     quotas = {"version": 0, "quota": 4, "refill_s": 30, "env_quotas": {"a": 2, "b": 2}}

@@ -221,10 +221,17 @@ def env_share_lines(cfg: RunConfig) -> list[str]:
             f"each batch's {batch} sequences from it first ({seqs // spec.group_size} groups of {spec.group_size}), "
             f"{spec.workers} process(es)"
         )
-    if cfg.rollout.max_staleness < 2:
+    staleness = cfg.rollout.max_staleness
+    if staleness < 2 and cfg.publish.gate_on(staleness) and cfg.publish.gate_quota:
         lines.append(
-            f"rollout.max_staleness={cfg.rollout.max_staleness}: atroposlib keeps one group per environment beyond "
-            "its share, trained a batch later; below 2 that group is dropped as stale at every step (set 2 or more)"
+            f"rollout.max_staleness={staleness} with the on-policy gate: the gateway lets each environment start "
+            "only its share of a batch per version, so the group atroposlib keeps beyond it waits for the next one"
+        )
+    elif staleness < 2:
+        lines.append(
+            f"rollout.max_staleness={staleness}: atroposlib keeps one group per environment beyond its share, "
+            "trained a batch later; below 2 that group is dropped as stale at every step (set 2 or more, or "
+            "publish.gate=on)"
         )
     return lines
 

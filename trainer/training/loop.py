@@ -320,6 +320,10 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
         log.info("the run is already at step %d of %d: nothing to do", state.step, cfg.rollout.num_steps)
         return True
     warn_if_disk_short(cfg, backend, run_dir, state)
+    if gate:
+        # The quota from the first version on: environments start sampling once the trainer registers, and a
+        # mixed run's environment that started more than its share would keep a stale group queued for the run.
+        _close_gate(cfg, gateway, state.version)
     api.register(state.step)
     metrics = MetricsWriter(run_dir / "metrics.jsonl", cfg.launch.wandb, cfg)
     intake = IntakeOptions(

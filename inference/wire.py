@@ -402,7 +402,9 @@ class PolicyStatus(BaseModel):
     gate_held_total: int = 0
     gate_expired_total: int = 0
     gate_refills_total: int = 0  # times requests over the quota went through on the current version after all
-    gate_carried_total: int = 0  # sequences taken off a version's quota for what the one before started beyond it
+    gate_carried_total: int = (
+        0  # sequences taken off a version's quota for what the one before started beyond it
+    )
     gate_continuations_total: int = 0  # episode turns let through as continuations (inference/policy/gate.py)
     continuations_moved_total: int = 0  # of those, sampled on the current version: their episode's was gone
     # Sequences started on the current version by each environment its bearer key named (rlcommon/envkeys.py), and

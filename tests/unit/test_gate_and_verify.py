@@ -305,7 +305,9 @@ async def test_the_gateway_tells_environments_apart_by_their_bearer_key(tmp_path
         assert not a_extra.done()  # a's 2 are started; b's 2 are b's
         b = await client.post("/generate", json=body, headers=key("b"))
         assert b.status_code == 200 and b.headers["x-policy-version"] == "0"
-        other = asyncio.create_task(client.post("/generate", json=body, headers={"Authorization": "Bearer local"}))
+        other = asyncio.create_task(
+            client.post("/generate", json=body, headers={"Authorization": "Bearer local"})
+        )
         await asyncio.sleep(0.2)
         assert not other.done()  # names no environment: the batch's 4 are started
         await client.post("/policy/expect", json={**quotas, "version": 1})
@@ -315,7 +317,16 @@ async def test_the_gateway_tells_environments_apart_by_their_bearer_key(tmp_path
 
 @pytest.mark.parametrize(
     "env_quotas",
-    [{"a": 0}, {"a": -4}, {"a": 2.5}, {"a": "4"}, {"": 4}, {"a\nb": 4}, {f"e{i}": 1 for i in range(300)}, [4]],
+    [
+        {"a": 0},
+        {"a": -4},
+        {"a": 2.5},
+        {"a": "4"},
+        {"": 4},
+        {"a\nb": 4},
+        {f"e{i}": 1 for i in range(300)},
+        [4],
+    ],
 )
 async def test_expect_refuses_bad_env_quotas(env_quotas):
     client, _ = client_for(ScriptedBackend())

@@ -148,7 +148,8 @@ class PublishConfig(_Section):
     gate_quota: bool = Field(
         True,
         description="with the gate: once a batch's worth of sequences has started on a version, hold further "
-        "requests for the next one (environments start the next batch before the trainer takes this one)",
+        "requests for the next one (environments start the next batch before the trainer takes this one); in a "
+        "mixed run, each environment's share of the batch",
     )
     gate_refill_s: float = Field(
         1.0,

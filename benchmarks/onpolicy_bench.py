@@ -2,11 +2,12 @@
 
     python -m benchmarks onpolicy                                   # staleness 0, 1, 3 x gate on, off; 30 steps
     python -m benchmarks onpolicy --staleness 0 --gates on --steps 12
+    python -m benchmarks onpolicy --mix --staleness 0 --gates on,off --steps 20   # toy 3 : residue 1, one run
 
 Runs `launch.sh toy` (configs/tiny_cpu.yaml unless --config) once per (max_staleness, gate) pair, one after
 another (the runs share the machine's cores), and summarises each run's metrics.jsonl (trainer/readout/
 summary.py): stale fraction, steps per minute, wall seconds to reward 0.8, trainer idle share, publish p50/p99
-and the verification's share of the publish. The first step of each run includes the environment's start and is
+and the verification's share of the publish; with --mix, each environment's stale fraction too. The first step of each run includes the environment's start and is
 left out of the timing figures (not of the stale fraction).
 """
 
@@ -26,6 +27,9 @@ from trainer.orchestration.processes import stop_child
 from trainer.readout.summary import summarize
 
 COMMAND = "python -m benchmarks onpolicy"  # the command line the JSON records
+RESIDUE = ROOT / "tests" / "envs" / "residue_tokens.py"
+MIX = f"rollout.envs=[{{env: toy, weight: 3}}, {{env: {RESIDUE}, name: residue, weight: 1}}]"
+MIX_ENVS = ("toy", "residue")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -34,6 +38,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gates", default="on,off", help="comma-separated publish.gate values (on, off)")
     p.add_argument("--steps", type=int, default=30, help="rollout.num_steps of each run")
     p.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
+    p.add_argument(
+        "--mix",
+        action="store_true",
+        help="mix toy (weight 3) with tests/envs/residue_tokens.py (weight 1) instead of toy alone",
+    )
     p.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
     p.add_argument("--out", help="folder for the runs (default: a new folder under runs/)")
     p.add_argument("overrides", nargs="*", help="more run config overrides for every run")
@@ -44,13 +53,16 @@ def launch_toy(args: argparse.Namespace, run_dir: Path, *overrides: str) -> tupl
     """`launch.sh toy --config args.config` into `run_dir` with the overrides (then args.overrides), its output in
     `<run_dir>.launch.log`; (exit code or None past args.timeout_s, wall seconds). The launcher is stopped at the
     end either way. Shared by the benchmarks that compare toy runs."""
+    # A mix names its environments in rollout.envs, and launch.sh then takes no ENV argument.
+    mixed = getattr(args, "mix", False)  # the distillation benchmark's arguments have no --mix
     cmd = [
         "bash",
         str(ROOT / "launch.sh"),
-        "toy",
+        *([] if mixed else ["toy"]),
         "--config",
         args.config,
         f"trainer.output_dir={run_dir}",
+        *([MIX] if mixed else []),
         *overrides,
         *args.overrides,
     ]
@@ -100,8 +112,19 @@ def run_one(args: argparse.Namespace, out: Path, staleness: int, gate: str) -> d
         "verify_share_of_publish": timed["verify_share_of_publish"],
         "verify_max_abs_diff_max": whole["verify_max_abs_diff_max"],
         "gateway_hold_s_median": timed["gateway_hold_s_median"],
+        **({"stale_fraction_by_env": stale_by_env(rows)} if args.mix else {}),
         "run_dir": str(run_dir),
     }
+
+
+def stale_by_env(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Of the sequences each environment of the mix sent, the share dropped as stale."""
+    out: dict[str, float | None] = {}
+    for env in MIX_ENVS:
+        sent = sum(r.get(f"rollouts/{env}/sequences_received", 0) for r in rows)
+        stale = sum(r.get(f"rollouts/{env}/sequences_dropped_stale", 0) for r in rows)
+        out[env] = stale / sent if sent else None
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

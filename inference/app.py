@@ -54,6 +54,8 @@ from inference.wire import (
     PublishProbe,
     PublishRequest,
     PublishResponse,
+    RefillRequest,
+    RefillResponse,
     Sample,
     SamplingRequest,
 )
@@ -617,6 +619,23 @@ def policy_routes(gw: Gateway) -> APIRouter:
         if spell is None:
             return ExpectResponse(holding_for=None)
         return ExpectResponse(holding_for=None, hold_s=spell.closed_s, held_requests=spell.held_requests)
+
+    @router.post("/policy/refill")
+    async def refill(request: Request) -> RefillResponse:
+        if not gw.authorized(request):
+            raise BackendError(401, "refilling needs 'Authorization: Bearer <inference.publish_token>'")
+        try:
+            req = RefillRequest.model_validate(await json_object(request))
+        except ValidationError as exc:
+            raise BackendError(400, validation_message(exc)) from exc
+        refilled = gw.gate.refill_envs(req.short)
+        if refilled:
+            log.info(
+                "on-policy gate: refilled %s on version %d (short of their share)",
+                refilled,
+                registry.current.version,
+            )
+        return RefillResponse(refilled=refilled)
 
     @router.post("/policy/lookup")
     async def lookup(request: Request) -> LookupResponse:

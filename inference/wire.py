@@ -354,6 +354,22 @@ class ExpectRequest(BaseModel):
     refill_s: Annotated[Finite, Field(gt=0, le=600)] = 1.0
 
 
+class RefillRequest(BaseModel):
+    """POST /policy/refill: the trainer waits for a batch these environments of a mixed run are short of (sequences
+    run-api lacks of each one's share): when nothing runs on the current version, let what each holds over its
+    quota through on it (inference/policy/gate.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    short: Annotated[
+        dict[EnvName, Annotated[StrictInt, Field(ge=0, le=2**31)]], Field(min_length=1, max_length=MAX_ENVS)
+    ]
+
+
+class RefillResponse(BaseModel):
+    refilled: list[str]  # the environments let through; empty when something still runs or the gate is closed
+
+
 class ExpectResponse(BaseModel):
     holding_for: int | None  # the version new requests wait for; null when the gate is open
     hold_s: float = 0.0  # when this call opened the gate: how long it had been closed

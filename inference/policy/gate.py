@@ -17,7 +17,9 @@ as stale at max_staleness 0).
   whichever environment asks first starts more than its share on a version, and what run-api does not hand out
   with that version's batch is stale a version later. With `env_quotas` each environment (named by the bearer key
   of its requests, rlcommon/envkeys.py) may start its own share per version; requests naming no
-  environment of the quotas count against the batch's.
+  environment of the quotas count against the batch's. Only the trainer knows which environment is short of its
+  share (it reads run-api's queue): it asks for that environment's refill (`refill_envs`), and the timed refill
+  lifts the batch's quota alone. Refilling every environment would start the others' extra groups on the version.
 - **Continuations pass.** A request that continues an episode (its prompt starts with a turn the gateway sampled:
   the app asks the ledger, inference/policy/registry.py VersionLedger.continued) neither waits nor counts against
   the quota: the episode was admitted with its first turn. Held at a closed gate, its later turns would be sampled
@@ -237,15 +239,33 @@ class Gate:
 
     def _do_refill(self) -> None:
         self._refill = None
-        if self._waiting_for is not None or not self._over_quota or self._allowed is None:
+        # Environments of env_quotas wait for refill_envs: the trainer names the one that is short.
+        unnamed = self._over_quota - sum(self._over_env.get(env, 0) for env in self._allowed_env)
+        if self._waiting_for is not None or not unnamed or self._allowed is None:
             return
         if self._running_on_current():  # a request started meanwhile (one smaller than the quota's rest)
             return
         self.refills_total += 1
-        self._allowed = self._started + self._over_quota
-        for env in self._allowed_env:
-            self._allowed_env[env] = self._started_env[env] + self._over_env.get(env, 0)
+        self._allowed = self._started + unnamed
         self._wake()
+
+    def refill_envs(self, short: dict[str, int]) -> list[str]:
+        """The trainer waits for a batch that these environments are short of (sequences, from run-api's queue):
+        when nothing runs on the current version, let what each of them holds over its quota through on it (the
+        surplus comes off the next version: open). Returns those refilled."""
+        if self._waiting_for is not None or self._running_on_current():
+            return []
+        refilled = [
+            env
+            for env, n in short.items()
+            if n > 0 and env in self._allowed_env and self._over_env.get(env, 0)
+        ]
+        for env in refilled:
+            self._allowed_env[env] = self._started_env[env] + self._over_env[env]
+        if refilled:
+            self.refills_total += 1
+            self._wake()
+        return refilled
 
     def _cancel_refill(self) -> None:
         if self._refill is not None:

@@ -252,10 +252,17 @@ async def test_each_environment_of_a_mixed_run_starts_only_its_own_share_per_ver
     late_residue = asyncio.create_task(gate.wait(4, "residue"))  # 4 of 4 already started
     await asyncio.sleep(0.05)
     assert not late_residue.done()
-    # Short of its share (a discarded group), with nothing running: the refill lets each environment go on.
+    # Short of its share (a discarded group): the timed refill leaves named environments to the trainer, which
+    # reads run-api's queue and names the one that is short; nothing may be running on the version then.
     gate.request_done()
     await asyncio.sleep(0.35)
-    assert late_residue.done() and gate.refills_total == 1
+    assert not late_residue.done() and gate.refills_total == 0
+    running["n"] = 1
+    assert gate.refill_envs({"residue": 4}) == []
+    running["n"] = 0
+    assert gate.refill_envs({"toy": 8, "nobody": 8}) == []  # toy holds nothing over its quota
+    assert gate.refill_envs({"residue": 4}) == ["residue"]
+    assert await late_residue > 0 and gate.refills_total == 1
     # A quota without environments, or env_quotas without a quota, is the batch's alone.
     gate.set_quota(None, refill_s=0.2, env_quotas={"toy": 4})
     gate.open()
@@ -272,8 +279,9 @@ async def test_what_a_refill_started_beyond_the_quota_comes_off_the_next_version
     for env, n in (("toy", 4), ("toy", 4), ("toy", 4), ("residue", 4)):
         assert await gate.wait(n, env) == 0.0
     extra = [asyncio.create_task(gate.wait(4, env)) for env in ("toy", "toy", "residue")]
-    gate.request_done()  # nothing runs and no batch is taken: the refill lets all three through
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.05)
+    assert gate.refill_envs({"toy": 4, "residue": 4}) == ["toy", "residue"]  # each lets through all it holds
+    await asyncio.sleep(0.05)
     assert all(t.done() for t in extra) and gate.started_by_env() == {"toy": 20, "residue": 8, "": 0}
     gate.close(2, hold_s=30)
     gate.open()
@@ -313,6 +321,30 @@ async def test_the_gateway_tells_environments_apart_by_their_bearer_key(tmp_path
         await client.post("/policy/expect", json={**quotas, "version": 1})
         await client.post("/policy/publish", json=publish_body(1, make_adapter(tmp_path, "a1")))
         assert (await a_extra).headers["x-policy-version"] == "1" and (await other).status_code == 200
+
+
+async def test_the_trainer_refills_a_short_environment_through_the_gateway():
+    client, _ = client_for(ScriptedBackend(), publish_token="s3cret")
+    owner = {"Authorization": "Bearer s3cret"}
+    quotas = {"version": 0, "quota": 4, "refill_s": 30, "env_quotas": {"a": 2, "b": 2}}
+    body = {"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 4, "n": 2}
+    async with client:
+        assert (await client.post("/policy/expect", json=quotas, headers=owner)).status_code == 200
+        assert (
+            await client.post("/generate", json=body, headers={"Authorization": "Bearer rl-env:a"})
+        ).is_success
+        held = asyncio.create_task(
+            client.post("/generate", json=body, headers={"Authorization": "Bearer rl-env:a"})
+        )
+        await asyncio.sleep(0.2)
+        assert (await client.post("/policy/refill", json={"short": {"a": 2}})).status_code == 401
+        for bad in ({}, {"short": {}}, {"short": {"a": -1}}, {"short": {"a": 2}, "x": 1}, {"short": [2]}):
+            r = await client.post("/policy/refill", json=bad, headers=owner)
+            assert r.status_code == 400, (bad, r.text)
+        assert not held.done()
+        r = await client.post("/policy/refill", json={"short": {"a": 2, "b": 2}}, headers=owner)
+        assert r.json() == {"refilled": ["a"]}  # b holds nothing over its quota
+        assert (await held).headers["x-policy-version"] == "0"
 
 
 @pytest.mark.parametrize(

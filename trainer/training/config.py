@@ -156,7 +156,8 @@ class PublishConfig(_Section):
         gt=0,
         le=600,
         description="requests held over the quota go through on the current version once nothing runs on it and "
-        "no batch was taken for this long (an environment that discarded groups needs more than a batch)",
+        "no batch was taken for this long (an environment that discarded groups needs more than a batch); in a "
+        "mixed run the trainer then names the environments short of their share",
     )
     overlap: bool = Field(
         True,

@@ -16,6 +16,8 @@ from inference.wire import (
     PublishProbe,
     PublishRequest,
     PublishResponse,
+    RefillRequest,
+    RefillResponse,
 )
 from trainer.training.retries import Edge, checked
 
@@ -86,6 +88,12 @@ class GatewayClient:
             version=version, hold_s=hold_s, quota=quota, refill_s=refill_s, env_quotas=env_quotas
         ).model_dump()
         return ExpectResponse.model_validate(self._post("/policy/expect", body))
+
+    def refill(self, short: dict[str, int]) -> RefillResponse:
+        """Ask the gate to let these short environments of a mixed run (sequences short of their share) go on on
+        the current version (inference/policy/gate.py refill_envs)."""
+        body = RefillRequest(short=short).model_dump()
+        return RefillResponse.model_validate(self._post("/policy/refill", body))
 
     def lookup(self, sequences: list[list[int]]) -> list[int | None]:
         body = LookupRequest(sequences=sequences).model_dump()

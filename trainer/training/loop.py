@@ -52,6 +52,7 @@ from trainer.training.faults import fault_counts
 from trainer.training.gateway_client import ExpectResponse, GatewayClient
 from trainer.training.polling import wait_until
 from trainer.training.publishing import Publisher, PublishOutcome
+from trainer.training.refill import ShortRefill
 from trainer.training.retries import ComponentDown, Edge, checked, describe
 from trainer.training.schedule import build_adam_params
 from trainer.training.wandb_group import TRAINER, current_mode, wandb_group, wandb_run_id
@@ -175,6 +176,21 @@ class RunApi:
             except (httpx.HTTPError, ComponentDown, ValueError, KeyError, TypeError) as exc:
                 log.warning("run-api did not name its environments (GET /envs): %s", exc)
         return self._env_names
+
+    def queued_by_env(self) -> dict[str, int] | None:
+        """A mixed run: the sequences run-api has queued from each connected environment (its workers summed);
+        None when run-api does not answer."""
+        try:
+            envs = checked(self._http.get("/envs")).json()["envs"]
+            out: dict[str, int] = {}
+            for e in envs:
+                if e["connected"]:
+                    name = str(e["name"]).rsplit("-", 1)[0]
+                    out[name] = out.get(name, 0) + int(e["queued_sequences"])
+            return out
+        except (httpx.HTTPError, ComponentDown, ValueError, KeyError, TypeError) as exc:
+            log.warning("run-api did not report its environments' queues (GET /envs): %s", exc)
+            return None
 
     def shortfalls(self) -> dict[str, float]:
         """A mixed run's `rollouts/<env>/short_batches` and `.../shortfall_sequences`: batches run-api formed
@@ -339,6 +355,8 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     )
     run = RunTally(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step)
     pending: PendingStep | None = None
+    shares = env_shares(cfg) if gate and cfg.publish.gate_quota else None
+    refill = ShortRefill(shares, cfg.publish.gate_refill_s, api, gateway) if shares else None
 
     def finish_pending(block: bool, stopping: bool = False) -> None:
         """Write the overlapped step's row (and its checkpoint) once its publish is done: as soon as it is while
@@ -350,12 +368,18 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
                 cfg, backend, metrics, run, done, state, api, run_dir, overlapped=True, stopping=stopping
             )
 
+    def meanwhile() -> None:
+        """Before each poll for a batch: the overlapped step's row once its publish is done, a short refill."""
+        finish_pending(block=False)
+        if refill is not None:
+            refill()
+
     try:
         while state.step < cfg.rollout.num_steps:
             waiting_since = time.monotonic()
-            groups = wait_for_batch(
-                api, cfg.trainer.batch_poll_s, stopper, lambda: finish_pending(block=False)
-            )
+            if refill is not None:
+                refill.waiting()
+            groups = wait_for_batch(api, cfg.trainer.batch_poll_s, stopper, meanwhile)
             finish_pending(block=True)
             _ensure_gateway_policy(gateway, publisher, run_dir, state)
             hold = _close_gate(cfg, gateway, state.version + 1) if gate else None
@@ -384,15 +408,16 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
 
 def _close_gate(cfg: RunConfig, gateway: GatewayClient, version: int) -> ExpectResponse:
     """Hold new requests for `version` (opens the gate when it is not newer than the current one)."""
-    r = cfg.rollout
-    quota = r.batch_size if cfg.publish.gate_quota else None
-    # A mixed run: each environment its own share of the batch per version (run-api's), named by its bearer key.
-    env_quotas = (
-        {spec.name: spec.batch_sequences(r.batch_size) for spec in r.env_specs()}
-        if r.envs and quota
-        else None
-    )
+    quota = cfg.rollout.batch_size if cfg.publish.gate_quota else None
+    env_quotas = env_shares(cfg) if quota else None
     return gateway.expect(version, cfg.publish.gate_hold_s, quota, cfg.publish.gate_refill_s, env_quotas)
+
+
+def env_shares(cfg: RunConfig) -> dict[str, int] | None:
+    """A mixed run: the sequences run-api fills each batch with from each environment first (its share, up to whole
+    groups), which the gate's quota holds each environment to per version (named by its bearer key)."""
+    r = cfg.rollout
+    return {spec.name: spec.batch_sequences(r.batch_size) for spec in r.env_specs()} if r.envs else None
 
 
 @dataclass

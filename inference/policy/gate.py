@@ -72,18 +72,16 @@ class Gate:
         self._started_env: dict[str, int] = {}
         self._over_quota = 0  # sequences waiting only for the quota
         self._over_env: dict[str, int] = {}  # the same, by environment of env_quotas
-        self._seen_env: dict[
-            str, int
-        ] = {}  # started on this version by each environment named (for GET /policy)
+        # Started on this version by each environment named (GET /policy).
+        self._seen_env: dict[str, int] = {}
         self._refill: asyncio.TimerHandle | None = None
         self.last: GateSpell | None = None
         self.held_total = 0
         self.hold_s_total = 0.0  # summed over held requests
         self.expired_total = 0
         self.refills_total = 0
-        self.carried_total = (
-            0  # sequences taken off a version's quota for what the one before started beyond it
-        )
+        # Sequences taken off a version's quota for what the one before started beyond it.
+        self.carried_total = 0
         self.continuations_total = 0
 
     @property

@@ -198,18 +198,25 @@ class Gate:
         self._held += 1
         self.held_total += 1
         self._holding_now += 1
-        over = n if self._waiting_for is None else 0  # held by the quota, not by a closed gate
-        key = env if env in self._allowed_env else None
-        self._count_over(key, over)
-        if over:
-            self.request_done()  # nothing may be running to end and trigger the refill
+        counted: tuple[str | None, int] | None = (
+            None  # (environment or None, sequences) counted as over the quota
+        )
         try:
             async with self._cond:
-                await self._cond.wait_for(lambda: self._passable(n, env))
+                while not self._passable(n, env):
+                    # Held by the quota, not (or no longer) by a closed gate: counted as over it, which lets the
+                    # refill see it. A request held by the closed gate counts from the opening on, where the new
+                    # version's quota (less a carry) may hold it too; uncounted, no refill would ever come.
+                    if counted is None and self._waiting_for is None:
+                        counted = (env if env in self._allowed_env else None, n)
+                        self._count_over(*counted)
+                        self.request_done()  # nothing may be running to end and trigger the refill
+                    await self._cond.wait()
                 self._start(n, env)
         finally:
             self._holding_now -= 1
-            self._count_over(key, -over)
+            if counted is not None:
+                self._count_over(counted[0], -counted[1])
             held = time.monotonic() - started
             self.hold_s_total += held
         return held

@@ -297,6 +297,27 @@ async def test_what_a_refill_started_beyond_the_quota_comes_off_the_next_version
     assert gate.started_by_env() == {"toy": 4, "residue": 4, "": 0} and gate.carried_total == 12
 
 
+async def test_a_request_held_by_the_closed_gate_and_then_by_the_quota_is_refilled():
+    """A CI run hung at step 8 (max_staleness 0, one environment): a refill had let the next batch start on the
+    version, the carry left the next version no quota, and the requests the closed gate held stayed held by that
+    quota uncounted, so no refill came. Counted from the opening on, the refill lets them through."""
+    gate = Gate()
+    gate.set_quota(8, refill_s=0.1)
+    gate.open()
+    assert await gate.wait(8) == 0.0
+    early = asyncio.create_task(gate.wait(8))  # the next batch, started early: over the quota
+    await asyncio.sleep(0.3)  # nothing runs: the refill lets it through on this version (16 of 8)
+    assert early.done() and gate.refills_total == 1
+    gate.close(2, hold_s=30)
+    held = asyncio.create_task(gate.wait(8))  # held by the closed gate
+    await asyncio.sleep(0.05)
+    gate.open()  # the carry of 8 leaves this version no quota: held now by the quota
+    await asyncio.sleep(0.05)
+    assert not held.done() and gate.carried_total == 8
+    await asyncio.sleep(0.3)
+    assert held.done() and gate.refills_total == 2
+
+
 async def test_the_gateway_tells_environments_apart_by_their_bearer_key(tmp_path):
     client, _ = client_for(ScriptedBackend())
     quotas = {"version": 0, "quota": 4, "refill_s": 30, "env_quotas": {"a": 2, "b": 2}}

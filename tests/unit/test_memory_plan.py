@@ -86,6 +86,7 @@ def small_cfg(tmp_path: Path, shape: dict[str, Any], **over: Any) -> RunConfig:
             "max_seq_len": shape["T"],
             "micro_batch_tokens": shape["B"] * shape["T"],
             "logprob_chunk_tokens": over.get("chunk", 256),
+            "micro_batch_layout": over.get("layout", "packed"),
         },
     }
     return RunConfig.model_validate(data)
@@ -122,6 +123,21 @@ def padded_batch(shape: dict[str, Any]) -> list[TrainingExample]:
     return out
 
 
+def full_packed_batch(shape: dict[str, Any], shared: int) -> list[TrainingExample]:
+    """The packed layout's worst case: sequences of T tokens whose computed tokens fill the budget (B x T); with
+    `shared` > 0, each shares its first `shared` tokens with the others, so the attention also reads nearly
+    KEYS_PER_TOKEN keys per computed token (packing.KEYS_PER_TOKEN)."""
+    g = torch.Generator().manual_seed(1)
+    budget, T = shape["B"] * shape["T"], shape["T"]
+    count = (budget - shared) // (T - shared) if shared else shape["B"]
+    prefix = torch.randint(0, shape["V"], (shared,), generator=g).tolist()
+    out = []
+    for _ in range(count):
+        ids = prefix + torch.randint(0, shape["V"], (T - shared,), generator=g).tolist()
+        out.append(TrainingExample(ids, ids, [1.0] * T, [-1.0] * T, [0.5] * T))
+    return out
+
+
 BASE = {"h": 256, "I": 688, "L": 4, "heads": 4, "kv": 2, "V": 4096, "B": 4, "T": 256}
 CASES = {
     "fp32": ({}, {}),
@@ -135,6 +151,11 @@ CASES = {
     "fp32-eager": ({}, {"attn": "eager"}),
     "bf16": ({"h": 128, "I": 352, "B": 8, "T": 128}, {"dtype": "bfloat16"}),
     "bf16-checkpointing": ({"h": 128, "I": 352, "B": 8, "T": 128}, {"dtype": "bfloat16", "gc": True}),
+    "fp32-shared-prefix": ({}, {"shared": 128}),
+    "bf16-shared-prefix": ({"h": 128, "I": 352, "B": 8, "T": 128}, {"dtype": "bfloat16", "shared": 64}),
+    "fp32-padded": ({}, {"layout": "padded"}),
+    "fp32-padded-eager": ({}, {"attn": "eager", "layout": "padded"}),
+    "bf16-padded": ({"h": 128, "I": 352, "B": 8, "T": 128}, {"dtype": "bfloat16", "layout": "padded"}),
 }
 
 
@@ -144,7 +165,11 @@ def test_activation_peak_matches_cpu_measurement(tmp_path, case):
     shape = {**BASE, **shape_over}
     cfg = small_cfg(tmp_path, shape, **cfg_over)
     backend, config = build_backend(cfg, shape)
-    examples, loss = padded_batch(shape), cfg.loss.params()
+    if cfg.trainer.micro_batch_layout == "padded":
+        examples = padded_batch(shape)
+    else:
+        examples = full_packed_batch(shape, cfg_over.get("shared", 0))
+    loss = cfg.loss.params()
     backend.forward_backward(examples, loss)  # warm-up: lazily built kernels and caches are not the plan's
     backend.optimizer.zero_grad(set_to_none=True)
     measured = cpu_peak_bytes(lambda: backend.forward_backward(examples, loss))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.backends import cuda_check
+from trainer.backends import cuda_check, micro_batches
 from trainer.backends.collectives import (
     gather_objects,
     init_process_group,
@@ -29,12 +29,14 @@ from trainer.backends.collectives import (
     shard_indices,
     wrap_data_parallel,
 )
+from trainer.backends.micro_batches import MicroBatch, causal_lm_logprobs
+from trainer.backends.packed_forward import enable_packed_attention
 from trainer.training.backend import AdamParams, ForwardBackwardResult
-from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
+from trainer.training.batch import TrainingExample, examples_to_tensors
 from trainer.training.checkpoints import failpoint, fsync_path
 from trainer.training.config import ConfigError, RunConfig
 from trainer.training.distill import teacher_kind
-from trainer.training.logprobs import compute_token_logprobs, top_logprobs
+from trainer.training.logprobs import top_logprobs
 from trainer.training.losses import (
     BatchScale,
     LossInputs,
@@ -127,6 +129,8 @@ def build_peft_model(cfg: RunConfig, device: torch.device, model: Any = None) ->
         bias="none",
         task_type="CAUSAL_LM",
     )
+    if cfg.trainer.micro_batch_layout == "packed":
+        enable_packed_attention(model)
     peft_model = get_peft_model(model, lora)
     # LoRA weights in fp32 even over a bf16 base: Adam updates of size lr*1e-3 vanish in bf16.
     for p in peft_model.parameters():
@@ -171,7 +175,8 @@ def write_peft_adapter(peft_model: Any, adapter: str, dest: Path, dtype: torch.d
 
 
 class TokenLogprobs(torch.nn.Module):
-    """The differentiable part of a step as one module (what DDP wraps): token logprobs of a padded batch."""
+    """The differentiable part of a step as one module (what DDP wraps): token logprobs of a micro-batch, packed or
+    padded (trainer.backends.micro_batches)."""
 
     def __init__(self, peft_model: Any, chunk_tokens: int):
         super().__init__()
@@ -180,45 +185,19 @@ class TokenLogprobs(torch.nn.Module):
 
     def forward(
         self,
-        input_ids_BT: torch.Tensor,
-        attention_mask_BT: torch.Tensor,
+        model_inputs: dict[str, torch.Tensor],
         target_ids_BT: torch.Tensor,
         mask_BT: torch.Tensor,
         temperature_B: torch.Tensor | None,
     ) -> torch.Tensor:
         return causal_lm_logprobs(
             self.peft_model.get_base_model(),
-            input_ids_BT,
-            attention_mask_BT,
+            model_inputs,
             target_ids_BT,
-            mask_BT,
+            mask_BT != 0,
             temperature_B,
             self.chunk_tokens,
         )
-
-
-def causal_lm_logprobs(
-    causal_lm: Any,
-    input_ids_BT: torch.Tensor,
-    attention_mask_BT: torch.Tensor,
-    target_ids_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    temperature_B: torch.Tensor | None,
-    chunk_tokens: int,
-) -> torch.Tensor:
-    """Token logprobs of a padded batch under a transformers causal LM (the student's base with its active adapter,
-    or a teacher model): the decoder's hidden states, then the head in chunks (never the whole [B, T, V] logits)."""
-    hidden_BTH = causal_lm.get_decoder()(
-        input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
-    ).last_hidden_state
-    return compute_token_logprobs(
-        causal_lm.get_output_embeddings(),
-        hidden_BTH,
-        target_ids_BT,
-        mask_BT != 0,
-        temperature_B,
-        chunk_tokens,
-    )
 
 
 class LocalBackend:
@@ -275,23 +254,30 @@ class LocalBackend:
         plans = self._my_micro_batches(examples)
         # Fewer examples than ranks: this rank still joins the gradient all-reduce, with weight 0.
         placeholder = not plans
+        if placeholder:
+            plans = self._micro_batches(examples, [0])
         logprobs: dict[int, list[float]] = {}
         parts, loss_value = [], 0.0
-        for k, plan in enumerate(plans or [[0]]):
-            last = k == max(len(plans), 1) - 1
+        real_tokens = computed_tokens = 0
+        for k, plan in enumerate(plans):
+            last = k == len(plans) - 1
             # DDP all-reduces on the last micro-batch only; the others accumulate locally.
             with self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext():
                 micro_loss, micro_metrics, lp_BT = self._micro_step(
-                    [examples[i] for i in plan], loss, reduction, scale, placeholder
+                    examples, plan, loss, reduction, scale, placeholder
                 )
             if placeholder:
                 continue
             loss_value += micro_loss
             parts.append(micro_metrics)
-            for row, i in enumerate(plan):
+            real_tokens += plan.real_tokens
+            computed_tokens += plan.computed_tokens
+            for row, i in enumerate(plan.indices):
                 logprobs[i] = lp_BT[row, : len(examples[i])].tolist()
         if self.ranks.world_size > 1:
-            parts, logprobs, loss_value = self._gather_ranks(parts, logprobs, loss_value)
+            parts, logprobs, loss_value, real_tokens, computed_tokens = self._gather_ranks(
+                parts, logprobs, loss_value, real_tokens, computed_tokens
+            )
         elapsed = time.perf_counter() - started
         metrics = finalize_metrics(parts)
         metrics.update(
@@ -300,42 +286,59 @@ class LocalBackend:
                 "time/forward_backward_s": elapsed,
                 "perf/train_tokens_per_s": sum(len(e) for e in examples) / max(elapsed, 1e-9),
                 "perf/micro_batches": float(len(parts)),
+                "tokens/forward": float(real_tokens),
+                "tokens/forward_computed": float(computed_tokens),
             }
         )
         return ForwardBackwardResult(
             trainer_logprobs=[logprobs[i] for i in range(len(examples))], loss=loss_value, metrics=metrics
         )
 
-    def _my_micro_batches(self, examples: Sequence[TrainingExample]) -> list[list[int]]:
-        """This rank's token-balanced shard of `examples`, cut into micro-batches (lists of example indices)."""
+    def _my_micro_batches(self, examples: Sequence[TrainingExample]) -> list[MicroBatch]:
+        """This rank's token-balanced shard of `examples`, cut into micro-batches."""
         mine = shard_indices([len(e) for e in examples], self.ranks.rank, self.ranks.world_size)
-        budget = self.cfg.trainer.micro_batch_tokens
-        return [
-            [mine[j] for j in plan] for plan in plan_micro_batches([len(examples[i]) for i in mine], budget)
-        ]
+        return self._micro_batches(examples, mine)
+
+    def _micro_batches(self, examples: Sequence[TrainingExample], indices: Sequence[int]) -> list[MicroBatch]:
+        t = self.cfg.trainer
+        return micro_batches.plan(
+            examples,
+            indices,
+            t.micro_batch_tokens,
+            t.micro_batch_layout,
+            t.shared_prefix_min_tokens,
+            self.device,
+        )
 
     @staticmethod
     def _gather_ranks(
-        parts: list[Any], logprobs: dict[int, list[float]], loss_value: float
-    ) -> tuple[list[Any], dict[int, list[float]], float]:
-        """Every rank's metrics parts, logprobs and loss, merged into the whole batch's."""
-        gathered = gather_objects((parts, logprobs, loss_value))
+        parts: list[Any], logprobs: dict[int, list[float]], loss_value: float, real: int, computed: int
+    ) -> tuple[list[Any], dict[int, list[float]], float, int, int]:
+        """Every rank's metrics parts, logprobs, loss and token counts, merged into the whole batch's."""
+        gathered = gather_objects((parts, logprobs, loss_value, real, computed))
         merged = {i: lp for g in gathered for i, lp in g[1].items()}
-        return [p for g in gathered for p in g[0]], merged, sum(g[2] for g in gathered)
+        return (
+            [p for g in gathered for p in g[0]],
+            merged,
+            sum(g[2] for g in gathered),
+            sum(g[3] for g in gathered),
+            sum(g[4] for g in gathered),
+        )
 
     def _micro_step(
         self,
-        chunk: list[TrainingExample],
+        examples: Sequence[TrainingExample],
+        plan: MicroBatch,
         loss: LossParams,
         reduction: Reduction,
         scale: BatchScale,
         zero_weight: bool,
     ) -> tuple[float, dict[str, float], torch.Tensor]:
+        chunk = [examples[i] for i in plan.indices]
         batch = {k: v.to(self.device) for k, v in examples_to_tensors(chunk).items()}
         use_temperature = self.cfg.advantage.sampler_logprobs == "processed"
         trainer_lp_BT = self.net(
-            batch["input_ids_BT"],
-            batch["attention_mask_BT"],
+            plan.model_inputs,
             batch["target_ids_BT"],
             batch["mask_BT"],
             batch["temperature_B"] if use_temperature else None,
@@ -416,6 +419,8 @@ class LocalBackend:
         teacher: Any = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=dtype)
         teacher.to(self.device)
         teacher.eval().requires_grad_(False)
+        if self.cfg.trainer.micro_batch_layout == "packed":
+            enable_packed_attention(teacher)
         vocab = int(teacher.get_output_embeddings().weight.shape[0])
         # pre-flight compares the tokenizers; this guards a trainer started by hand
         if vocab != self.vocab_size:
@@ -433,7 +438,7 @@ class LocalBackend:
         if self.url_teacher is not None:
             return self.url_teacher.teacher_logprobs(examples)
         out: list[list[float]] = [[] for _ in examples]
-        plans = plan_micro_batches([len(e) for e in examples], self.cfg.trainer.micro_batch_tokens)
+        plans = self._micro_batches(examples, range(len(examples)))
         causal_lm = self.teacher_model
         if causal_lm is None:
             self.model.eval()
@@ -442,18 +447,18 @@ class LocalBackend:
         try:
             for plan in plans:
                 batch = {
-                    k: v.to(self.device) for k, v in examples_to_tensors([examples[i] for i in plan]).items()
+                    k: v.to(self.device)
+                    for k, v in examples_to_tensors([examples[i] for i in plan.indices]).items()
                 }
                 lp_BT = causal_lm_logprobs(
                     causal_lm,
-                    batch["input_ids_BT"],
-                    batch["attention_mask_BT"],
+                    plan.model_inputs,
                     batch["target_ids_BT"],
-                    batch["mask_BT"],
+                    batch["mask_BT"] != 0,
                     None,
                     self.cfg.trainer.logprob_chunk_tokens,
                 ).cpu()
-                for row, i in enumerate(plan):
+                for row, i in enumerate(plan.indices):
                     out[i] = lp_BT[row, : len(examples[i])].tolist()
         finally:
             if (

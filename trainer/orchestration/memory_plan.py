@@ -16,6 +16,7 @@ from typing import Any
 
 from rlcommon.slots import lora_slots
 from trainer.training.config import RunConfig
+from trainer.training.packing import KEYS_PER_TOKEN
 
 GiB = 2**30
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -176,20 +177,27 @@ def compute_layer_saved_bytes(
     n, h, i, qd = tokens, shape.hidden, shape.intermediate, shape.q_dim
     targets = [t for t in lora_targets(cfg) if t != "lm_head"]
     seq = min(cfg.trainer.max_seq_len, tokens)
-    eager = cfg.model.attn_implementation == "eager"
+    packed = cfg.trainer.micro_batch_layout == "packed"
+    eager = cfg.model.attn_implementation == "eager" and not packed
     flash = (cfg.model.attn_implementation or "").startswith("flash")
     # RMSNorm keeps its input as fp32 (a copy over bf16) and the per-token rsqrt; layer 0's input needs no grad.
     saved = (2 if input_grad else 1) * (n * h * 4 + n * 4)
-    # q and k after RoPE, v; transformers repeats k and v per query head when a padding mask is passed to sdpa.
-    saved += n * (qd + 2 * (shape.kv_dim if flash else qd)) * b
-    if eager:
+    if packed:
+        # The packed attention's gathered copies, which its SDPA keeps: q, k and v at their own head count for
+        # every key a segment reads, its shared prefix's included (packing.KEYS_PER_TOKEN bounds those per
+        # computed token); then the output and log-sum-exp. The bool mask is one per micro-batch, counted below.
+        saved += n * (qd + 2 * KEYS_PER_TOKEN * shape.kv_dim) * b + n * qd * b + n * shape.heads * 4
+    elif eager:
+        # q and k after RoPE, v; transformers repeats k and v per query head when a padding mask is passed.
+        saved += n * 3 * qd * b
         probs = n * shape.heads * seq  # [B, heads, T, T]: softmax in fp32, cast back for the product with v
         saved += probs * (4 + (b if b != 4 else 0))
     elif not flash:
+        saved += n * 3 * qd * b
         # Output, log-sum-exp, and the padding mask as sdpa converts it to the model's dtype, once per layer.
         saved += n * qd * b + n * shape.heads * 4 + n * seq * b
     else:
-        saved += n * qd * b + n * shape.heads * 4
+        saved += n * (qd + 2 * shape.kv_dim) * b + n * qd * b + n * shape.heads * 4
     saved += 3 * n * i * b  # gate (SiLU's input), SiLU's output and up (both kept by their product)
     shapes = shape.linear_shapes()
     if b == 4:  # inputs kept once, whichever adapted modules read them
@@ -218,8 +226,13 @@ def compute_activation_bytes(
     h, i, L = shape.hidden, shape.intermediate, shape.layers
     seq = min(cfg.trainer.max_seq_len, n)
     # Kept through the whole backward: the bool padding mask, the final norm's input, and the trained positions'
-    # hidden states that the logprob chunks read (index_select's copy).
-    common = float(n * seq + (n * h * 4 + n * 4) + n * h * b)
+    # hidden states that the logprob chunks read (index_select's copy; packed, a shared prefix's trained rows are
+    # read once per sequence, up to as many as the keys the attention reads).
+    packed = cfg.trainer.micro_batch_layout == "packed"
+    trained = n * (KEYS_PER_TOKEN if packed else 1)
+    common = float(n * seq + (n * h * 4 + n * 4) + trained * h * b)
+    if packed:
+        common += n * seq * b  # the packed attention's additive mask, made once in the model's dtype
     layer = compute_layer_saved_bytes(shape, cfg, n, b, input_grad=True)
     if checkpointing:
         kept = common + L * n * h * b  # each layer's input, kept by its checkpoint

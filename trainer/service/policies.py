@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from trainer.backends import micro_batches
 from trainer.backends.local import (
     TokenLogprobs,
     adamw_step,
@@ -28,9 +29,10 @@ from trainer.backends.local import (
     resolve_model_path,
     write_peft_adapter,
 )
+from trainer.backends.packed_forward import enable_packed_attention
 from trainer.service.wire import SoftTargets
 from trainer.training.backend import AdamParams
-from trainer.training.batch import TrainingExample, examples_to_tensors, plan_micro_batches
+from trainer.training.batch import TrainingExample, examples_to_tensors
 from trainer.training.config import RunConfig
 from trainer.training.losses import (
     LossInputs,
@@ -87,6 +89,8 @@ class MultiLora:
                 kwargs["attn_implementation"] = cfg.model.attn_implementation
             model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
         self.base = model.to(self.device)
+        if cfg.trainer.micro_batch_layout == "packed":
+            enable_packed_attention(self.base)
         if cfg.model.gradient_checkpointing:
             self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.base.requires_grad_(False)
@@ -177,15 +181,26 @@ class MultiLora:
         masks = list(sequence_masks) or [None] * len(examples)
         logprobs: dict[int, np.ndarray] = {}
         total = 0.0
-        budget = self.cfg.trainer.micro_batch_tokens
+        t = self.cfg.trainer
+        plans = micro_batches.plan(
+            examples,
+            range(len(examples)),
+            t.micro_batch_tokens,
+            t.micro_batch_layout,
+            t.shared_prefix_min_tokens,
+            self.device,
+        )
         with torch.enable_grad() if backward else torch.no_grad():
-            for plan in plan_micro_batches([len(e) for e in examples], budget):
+            for micro in plans:
+                plan = micro.indices
                 chunk = [examples[i] for i in plan]
                 batch = {k: v.to(self.device) for k, v in examples_to_tensors(chunk).items()}
                 if any(soft[i] is not None for i in plan):
-                    value, lp_BT = self._soft_step(batch, chunk, [soft[i] for i in plan])
+                    value, lp_BT = self._soft_step(micro.model_inputs, batch, chunk, [soft[i] for i in plan])
                 else:
-                    value, lp_BT = self._step(batch, chunk, [masks[i] for i in plan], loss)
+                    value, lp_BT = self._step(
+                        micro.model_inputs, batch, chunk, [masks[i] for i in plan], loss
+                    )
                 if backward:
                     value.backward()
                 total += float(value.detach().item())
@@ -203,6 +218,7 @@ class MultiLora:
 
     def _step(
         self,
+        model_inputs: dict[str, torch.Tensor],
         batch: dict[str, torch.Tensor],
         chunk: list[TrainingExample],
         sequence_masks: list[list[float] | None],
@@ -210,13 +226,7 @@ class MultiLora:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Every real token's logprob, whatever its weight: forward() answers them all (a custom loss gets them
         # from a cross_entropy forward whose weights are zero), and gspo's sequence mask may reach past the weights.
-        lp_BT = self.net(
-            batch["input_ids_BT"],
-            batch["attention_mask_BT"],
-            batch["target_ids_BT"],
-            batch["attention_mask_BT"],
-            None,
-        )
+        lp_BT = self.net(model_inputs, batch["target_ids_BT"], batch["attention_mask_BT"], None)
         sequence_mask_BT = None
         if any(m is not None for m in sequence_masks):
             sequence_mask_BT = batch["mask_BT"].clone()
@@ -235,7 +245,11 @@ class MultiLora:
         return value, lp_BT
 
     def _soft_step(
-        self, batch: dict[str, torch.Tensor], chunk: list[TrainingExample], soft: list[SoftTargets | None]
+        self,
+        model_inputs: dict[str, torch.Tensor],
+        batch: dict[str, torch.Tensor],
+        chunk: list[TrainingExample],
+        soft: list[SoftTargets | None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cross_entropy over [B, T, K] targets, K the widest in the micro-batch: a plain datum is K = 1 with its
         weights, and the cells past a datum's own K carry weight 0."""
@@ -252,13 +266,7 @@ class MultiLora:
                 k = target.target_ids.shape[1]
                 targets_BTK[row, :n, :k] = torch.from_numpy(target.target_ids)
                 weights_BTK[row, :n, :k] = torch.from_numpy(target.weights)
-        lp_BTK = self.net(
-            batch["input_ids_BT"],
-            batch["attention_mask_BT"],
-            targets_BTK.to(self.device),
-            batch["attention_mask_BT"],
-            None,
-        )
+        lp_BTK = self.net(model_inputs, targets_BTK.to(self.device), batch["attention_mask_BT"], None)
         return soft_cross_entropy(lp_BTK, weights_BTK.to(self.device)), lp_BTK
 
     def optim_step(self, name: str, adam: AdamParams) -> dict[str, float]:

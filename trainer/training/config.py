@@ -100,7 +100,23 @@ class TrainerConfig(_Section):
         description="a sequence longer than max_seq_len: train its first max_seq_len tokens, or drop it "
         "(its group's other sequences train either way; rollouts/sequences_truncated counts them)",
     )
-    micro_batch_tokens: int = Field(8192, ge=1, description="padded tokens per forward/backward micro-batch")
+    micro_batch_tokens: int = Field(
+        8192,
+        ge=1,
+        description="tokens one forward/backward micro-batch computes (packed: each sequence's own tokens, a "
+        "shared prefix once; padded: sequences x the longest)",
+    )
+    micro_batch_layout: Literal["packed", "padded"] = Field(
+        "packed",
+        description="packed: sequences end to end with no padding, each attending only to itself and a shared "
+        "prefix computed once; padded: right-padded rows (the reference the packed path is tested against)",
+    )
+    shared_prefix_min_tokens: int = Field(
+        16,
+        ge=0,
+        description="packed layout: sequences whose first input tokens agree for at least this many tokens (a "
+        "group's prompt) compute that prefix once; 0 = never share",
+    )
     logprob_chunk_tokens: int = Field(
         1024, ge=1, description="tokens per lm_head chunk (bounds fp32 logits memory)"
     )

@@ -40,16 +40,34 @@ def compute_token_logprobs(
     per-sequence temperature when given (sampler reports post-temperature logprobs).
     """
     B, T, H = hidden_BTH.shape
+    rows_BT = torch.arange(B * T, device=hidden_BTH.device).reshape(B, T)
+    return compute_row_logprobs(
+        head, hidden_BTH.reshape(B * T, H), rows_BT, target_ids_BT, select_BT, temperature_B, chunk_tokens
+    )
+
+
+def compute_row_logprobs(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden_RH: torch.Tensor,
+    rows_BT: torch.Tensor,
+    target_ids_BT: torch.Tensor,
+    select_BT: torch.Tensor,
+    temperature_B: torch.Tensor | None = None,
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
+    """compute_token_logprobs for hidden states stored as rows: position (b, t) is row rows_BT[b, t] of hidden_RH
+    (a packed micro-batch, where a shared prefix's rows serve every sequence of its group)."""
+    B, T = rows_BT.shape
     flat_select = select_BT.reshape(-1).nonzero().squeeze(1)
-    hidden_NH = hidden_BTH.reshape(B * T, H).index_select(0, flat_select)
+    hidden_NH = hidden_RH.index_select(0, rows_BT.reshape(-1).index_select(0, flat_select))
     targets_NK = target_ids_BT.reshape(B * T, -1).index_select(0, flat_select)
     K = targets_NK.shape[1]
     if temperature_B is None:
-        inv_t_N = torch.ones(len(flat_select), device=hidden_BTH.device, dtype=torch.float32)
+        inv_t_N = torch.ones(len(flat_select), device=hidden_RH.device, dtype=torch.float32)
     else:
         inv_t_N = (
             (1.0 / temperature_B.float())
-            .to(hidden_BTH.device)
+            .to(hidden_RH.device)
             .repeat_interleave(T)
             .index_select(0, flat_select)
         )
@@ -61,8 +79,8 @@ def compute_token_logprobs(
             pieces.append(checkpoint(_chunk_logprobs, head, *args, use_reentrant=False))
         else:
             pieces.append(_chunk_logprobs(head, *args))
-    out_N = torch.cat(pieces) if pieces else hidden_BTH.new_zeros((0, K), dtype=torch.float32)
-    out_BT = torch.zeros((B * T, K), device=hidden_BTH.device, dtype=torch.float32)
+    out_N = torch.cat(pieces) if pieces else hidden_RH.new_zeros((0, K), dtype=torch.float32)
+    out_BT = torch.zeros((B * T, K), device=hidden_RH.device, dtype=torch.float32)
     return out_BT.index_copy(0, flat_select, out_N).reshape(target_ids_BT.shape)
 
 

@@ -30,6 +30,8 @@ REQUIRED = [
     "optim/lr",
     "tokens/trained",
     "tokens/sampled",
+    "tokens/forward",
+    "tokens/forward_computed",
     "importance/logprob_diff_mean",
     "importance/mismatch_kl",
     "policy/staleness_mean",
@@ -98,6 +100,8 @@ def test_a_bf16_run_stops_on_sigterm_resumes_learns_and_evaluates(tmp_path):
     # The step the SIGTERM stopped at included: the launcher stops the trainer first, so its last publish still
     # reaches a running gateway.
     for row in trained:
+        # Packed micro-batches: no padding, and each group's prompt computed once.
+        assert row["tokens/forward_computed"] <= 1.02 * row["tokens/forward"], row
         assert row["publish/verify_failures"] == 0, row
         assert row["publish/verify_mean_abs_diff"] <= row["publish/verify_tolerance"], row
         assert row["publish/verify_separation"] is not None and row["publish/verify_noise"] is not None, row

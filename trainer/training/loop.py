@@ -763,6 +763,8 @@ NO_UPDATE_KEYS = (
     "optim/skipped_nonfinite",
     "time/optim_s",
     "tokens/trained",
+    "tokens/forward",
+    "tokens/forward_computed",
     "importance/ratio_mean",
     "importance/ratio_min",
     "importance/ratio_max",

@@ -66,9 +66,7 @@ def synthetic_examples(n: int, seq_len: int, vocab: int, prompt_len: int, seed: 
     return out
 
 
-def ragged_examples(
-    groups: int, group_size: int, vocab: int, seed: int
-) -> list[TrainingExample]:
+def ragged_examples(groups: int, group_size: int, vocab: int, seed: int) -> list[TrainingExample]:
     """gsm8k-shaped steps: groups sharing a 100-300 token prompt (not trained), completions of 32-256 tokens."""
     g = torch.Generator().manual_seed(seed)
 

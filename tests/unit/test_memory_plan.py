@@ -175,9 +175,8 @@ def test_activation_peak_matches_cpu_measurement(tmp_path, case):
     measured = cpu_peak_bytes(lambda: backend.forward_backward(examples, loss))
 
     model_shape = ModelShape.from_config(config)
-    act = compute_activation_bytes(
-        model_shape, cfg, 4 if cfg.model.dtype == "float32" else 2, cfg.model.gradient_checkpointing
-    )
+    recomputed = cfg.model.recomputed_layers(model_shape.layers, on_cuda=False)
+    act = compute_activation_bytes(model_shape, cfg, 4 if cfg.model.dtype == "float32" else 2, recomputed)
     lora_params, _ = lora_parameter_count(model_shape, cfg)
     predicted = max(act["layers"], act["logprobs"]) + 4 * lora_params  # the gradients appear during backward
     error = predicted / measured - 1
@@ -238,7 +237,7 @@ def test_the_reference_run_fits_an_80_gib_gpu_and_is_refused_on_40_naming_the_kn
     problems = "\n".join(
         check_fit(build_memory_plan(off, LLAMA_8B, gateway, 80 * GiB, on_cuda=True), off, gateway)
     )
-    assert "set model.gradient_checkpointing=true" in problems, problems
+    assert "set model.gradient_checkpointing=true or auto" in problems, problems
 
 
 def test_separate_gpus_are_checked_each_on_its_own():
@@ -282,7 +281,9 @@ def test_dry_run_prints_the_plan_and_exits_2_when_a_stated_gpu_is_too_small(tmp_
         "# memory plan",
         "base weights (bfloat16)",
         "Adam moments",
-        "activations, checkpointing on",
+        "activations, ",
+        "layers recomputed",
+        "gradient checkpointing auto: ",
         "KV cache",
         "LoRA slots",
         "CUDA graphs (vLLM's estimate)",
@@ -443,3 +444,59 @@ def test_a_dry_run_writes_nothing(tmp_path, monkeypatch, capsys):
     tiny = str(ROOT / "configs" / "tiny_cpu.yaml")
     assert service_launch.main(["--config", tiny, "--dry-run", f"service.output_dir={runs / 'service'}"]) == 0
     assert list(runs.iterdir()) == [] and list(cwd.iterdir()) == []
+
+
+def test_checkpointing_auto_recomputes_the_fewest_layers_that_fit_and_the_trainer_does_exactly_that(tmp_path):
+    """gsm8k's auto: the plan recomputes no layer when the GPU has room, every layer when it is tight, a part in
+    between; the count goes into the config the trainer reads, and the trainer checkpoints that many layers."""
+    from trainer.backends.checkpointing import apply_gradient_checkpointing, spread_layers
+    from trainer.orchestration.memory_plan import choose_recomputed_layers
+
+    cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml")
+    assert cfg.model.gradient_checkpointing == "auto"
+    gateway = gateway_for(cfg)
+    counts = {}
+    for gpu in (80, 141, 400):
+        plan = build_memory_plan(cfg, LLAMA_8B, gateway, gpu * GiB, on_cuda=True)
+        count, why = choose_recomputed_layers(plan, cfg)
+        counts[gpu] = count
+        assert "gradient checkpointing auto" in why and "the least that fits" in why, why
+        # The choice fits, and one layer fewer would not (unless none is needed).
+        chosen = cfg.model_copy(deep=True)
+        chosen.model.checkpoint_layers = count
+        assert (
+            check_fit(build_memory_plan(chosen, LLAMA_8B, gateway, gpu * GiB, on_cuda=True), chosen, gateway)
+            == []
+        )
+        if count:
+            chosen.model.checkpoint_layers = count - 1
+            fewer = build_memory_plan(chosen, LLAMA_8B, gateway, gpu * GiB, on_cuda=True)
+            assert check_fit(fewer, chosen, gateway), f"{count - 1} layers would fit on {gpu} GiB"
+    assert counts[400] == 0 and 0 < counts[141] <= counts[80] <= 32, counts
+    assert counts[80] > counts[400]
+    # Unplanned: every layer on a GPU, none on a CPU; true and false keep their meaning.
+    assert cfg.model.recomputed_layers(32, on_cuda=True) == 32
+    assert cfg.model.recomputed_layers(32, on_cuda=False) == 0
+    # The trainer checkpoints the chosen layers, spread evenly.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=2
+        )
+    )
+    cfg.model.checkpoint_layers = 3
+    assert apply_gradient_checkpointing(model, cfg.model, on_cuda=True) == 3
+    on = [j for j, layer in enumerate(model.model.layers) if layer.gradient_checkpointing]
+    assert on == spread_layers(8, 3) and len(on) == 3
+
+
+def test_the_dry_run_prints_the_checkpointing_choice_and_the_config_carries_it(tmp_path, capsys):
+    from trainer.orchestration.launcher import main
+
+    folder = write_model_folder(tmp_path)
+    args = ["gsm8k", "--dry-run", f"model.path={folder}", f"trainer.output_dir={tmp_path / 'run'}"]
+    assert main([*args, "launch.gpu_memory_gib=141"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "gradient checkpointing auto:" in x)
+    assert "the least that fits" in line and "no checkpointing would need" in line, line

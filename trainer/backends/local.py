@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.backends import cuda_check, micro_batches
+from trainer.backends.checkpointing import apply_gradient_checkpointing
 from trainer.backends.collectives import (
     gather_objects,
     init_process_group,
@@ -118,8 +119,7 @@ def build_peft_model(cfg: RunConfig, device: torch.device, model: Any = None) ->
         model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.path), **kwargs)
     model.to(device)
     use_tf32_on_cuda(device)
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_gradient_checkpointing(model, cfg.model, device.type == "cuda")
     torch.manual_seed(cfg.lora.seed)
     lora = LoraConfig(
         r=cfg.lora.rank,

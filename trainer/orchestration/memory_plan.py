@@ -217,13 +217,13 @@ def compute_layer_saved_bytes(
     return saved
 
 
-def compute_activation_bytes(
-    shape: ModelShape, cfg: RunConfig, b: int, checkpointing: bool
-) -> dict[str, float]:
+def compute_activation_bytes(shape: ModelShape, cfg: RunConfig, b: int, recomputed: int) -> dict[str, float]:
     """Peak bytes above weights, adapter, gradients and optimizer state during one micro-batch's forward and
-    backward at trainer.micro_batch_tokens padded tokens (all of them trained: the worst case)."""
+    backward at trainer.micro_batch_tokens tokens (all of them trained: the worst case), with `recomputed` of the
+    model's decoder layers under gradient checkpointing (0: none, shape.layers: every one)."""
     n = cfg.trainer.micro_batch_tokens
     h, i, L = shape.hidden, shape.intermediate, shape.layers
+    recomputed = max(0, min(recomputed, L))
     seq = min(cfg.trainer.max_seq_len, n)
     # Kept through the whole backward: the bool padding mask, the final norm's input, and the trained positions'
     # hidden states that the logprob chunks read (index_select's copy; packed, a shared prefix's trained rows are
@@ -234,14 +234,16 @@ def compute_activation_bytes(
     if packed:
         common += n * seq * b  # the packed attention's additive mask, made once in the model's dtype
     layer = compute_layer_saved_bytes(shape, cfg, n, b, input_grad=True)
-    if checkpointing:
-        kept = common + L * n * h * b  # each layer's input, kept by its checkpoint
+    # A checkpointed layer keeps its input; the others keep what their backward reads. Layer 0 (whose input needs
+    # no gradient) is the last one checkpointing.spread_layers picks.
+    kept = common + recomputed * n * h * b
+    if recomputed < L:
+        kept += (L - recomputed - 1) * layer + compute_layer_saved_bytes(shape, cfg, n, b, input_grad=False)
+    layer_peak = kept
+    if recomputed:
         # Backward recomputes one layer at a time: its saved tensors exist again while its gradients flow (over
         # an fp32 base, the first norm keeps the checkpointed input itself, already counted).
-        layer_peak = kept + layer - (n * h * 4 if b == 4 else 0)
-    else:
-        kept = common + (L - 1) * layer + compute_layer_saved_bytes(shape, cfg, n, b, input_grad=False)
-        layer_peak = kept
+        layer_peak += layer - (n * h * 4 if b == 4 else 0)
     # Gradients in flight inside one layer's backward, at its largest step (the MLP): each kept input is freed as
     # its gradient appears, leaving one [n, intermediate] gradient ahead; over a bf16 base the LoRA path's fp32
     # gradient of its input copy comes on top. Plus the residual stream's gradient.
@@ -266,8 +268,11 @@ def build_trainer_plan(
     lora_params, lora_tensors = lora_parameter_count(shape, cfg)
     by_mode = {}
     for checkpointing in (False, True):
-        act = compute_activation_bytes(shape, cfg, b, checkpointing)
+        act = compute_activation_bytes(shape, cfg, b, shape.layers if checkpointing else 0)
         by_mode[checkpointing] = int(max(act["layers"], act["logprobs"]))
+    recomputed = cfg.model.recomputed_layers(shape.layers, on_cuda)
+    act = compute_activation_bytes(shape, cfg, b, recomputed)
+    chosen = int(max(act["layers"], act["logprobs"]))
     plan = ProcessPlan()
     plan.add(f"base weights ({dtype})", shape.parameter_count() * b)
     plan.add("LoRA parameters (float32)", lora_params * 4, f"rank {cfg.lora.rank}")
@@ -281,17 +286,16 @@ def build_trainer_plan(
         )
     if cfg.distributed.world_size > 1:
         plan.add("DDP gradient buckets", lora_params * 4)
-    on = cfg.model.gradient_checkpointing
     plan.add(
-        f"activations, checkpointing {'on' if on else 'off'}",
-        by_mode[on],
-        f"{cfg.trainer.micro_batch_tokens} tokens x {shape.layers} layers, logprob chunks of "
+        f"activations, {recomputed} of {shape.layers} layers recomputed",
+        chosen,
+        f"{cfg.trainer.micro_batch_tokens} tokens, logprob chunks of "
         f"{min(cfg.trainer.logprob_chunk_tokens, cfg.trainer.micro_batch_tokens)} x {shape.vocab} included; "
-        f"checkpointing {'off' if on else 'on'}: {by_mode[not on] / GiB:.2f} GiB",
+        f"no checkpointing: {by_mode[False] / GiB:.2f} GiB, every layer: {by_mode[True] / GiB:.2f} GiB",
     )
     if on_cuda:
         plan.add("CUDA context, workspaces, allocator slack", TRAINER_CUDA_ALLOWANCE, "an allowance")
-    return plan, {"checkpointing_off": by_mode[False], "checkpointing_on": by_mode[True]}
+    return plan, {"checkpointing_off": by_mode[False], "checkpointing_on": by_mode[True], "chosen": chosen}
 
 
 @dataclass(frozen=True)
@@ -552,16 +556,15 @@ def trainer_fixes(plan: MemoryPlan, cfg: RunConfig, gateway: dict[str, Any] | No
     """Knobs that would make the trainer fit, each with the value that does it where one exists."""
     assert plan.gpu_bytes is not None
     gpu, fixes = plan.gpu_bytes, []
-    act_now = plan.activations[
-        "checkpointing_on" if cfg.model.gradient_checkpointing else "checkpointing_off"
-    ]
+    act_now = plan.activations["chosen"]
     others = plan.trainer.total - act_now
     left = gpu - plan.shared_replicas * plan.vllm_facts.get("share", 0)
-    if not cfg.model.gradient_checkpointing:
+    if cfg.model.recomputed_layers(plan.shape.layers, plan.on_cuda) < plan.shape.layers:
         verdict = "fits" if others + plan.activations["checkpointing_on"] <= left else "not enough alone"
         fixes.append(
-            f"set model.gradient_checkpointing=true (activations {gib(plan.activations['checkpointing_on'])} "
-            f"instead of {gib(act_now)}: {verdict})"
+            f"set model.gradient_checkpointing=true or auto (activations "
+            f"{gib(plan.activations['checkpointing_on'])} with every layer recomputed, instead of "
+            f"{gib(act_now)}: {verdict})"
         )
     best = largest_fitting_micro_batch(plan, cfg, left)
     if best is not None:
@@ -585,17 +588,50 @@ def trainer_fixes(plan: MemoryPlan, cfg: RunConfig, gateway: dict[str, Any] | No
     return fixes
 
 
+def choose_recomputed_layers(plan: MemoryPlan, cfg: RunConfig) -> tuple[int, str]:
+    """model.gradient_checkpointing auto: the fewest decoder layers to recompute whose trainer peak fits the
+    trainer's share of its GPU (what shared vLLM replicas leave), and the sentence that says why."""
+    L = plan.shape.layers
+    if not plan.on_cuda:
+        return 0, "gradient checkpointing auto: none (on CPU memory is not planned)"
+    if plan.gpu_bytes is None:
+        return (
+            L,
+            "gradient checkpointing auto: every layer (GPU size unknown; launch.gpu_memory_gib=N plans it)",
+        )
+    left = plan.gpu_bytes - plan.shared_replicas * plan.vllm_facts.get("share", 0)
+    others = plan.trainer.total - plan.activations["chosen"]
+    b = dtype_bytes(trainer_dtype(cfg, plan.on_cuda))
+
+    def peak(recomputed: int) -> int:
+        act = compute_activation_bytes(plan.shape, cfg, b, recomputed)
+        return int(max(act["layers"], act["logprobs"]))
+
+    none = peak(0)
+    for count in range(L + 1):
+        if others + peak(count) <= left:
+            what = "none" if count == 0 else "every layer" if count == L else f"{count} of {L} layers"
+            return count, (
+                f"gradient checkpointing auto: {what} recomputed, the least that fits: trainer "
+                f"{gib(others + peak(count))} of the {gib(left)} it has (no checkpointing would need "
+                f"{gib(others + none)})"
+            )
+    return L, (
+        f"gradient checkpointing auto: every layer recomputed, and even so the trainer needs "
+        f"{gib(others + peak(L))} of the {gib(left)} it has"
+    )
+
+
 def largest_fitting_micro_batch(plan: MemoryPlan, cfg: RunConfig, left: int) -> int | None:
     """The largest trainer.micro_batch_tokens (>= max_seq_len, in steps of 256) whose plan fits in `left`."""
-    others = plan.trainer.total - max(
-        plan.activations["checkpointing_on" if cfg.model.gradient_checkpointing else "checkpointing_off"], 0
-    )
+    others = plan.trainer.total - max(plan.activations["chosen"], 0)
     b = dtype_bytes(trainer_dtype(cfg, plan.on_cuda))
+    recomputed = cfg.model.recomputed_layers(plan.shape.layers, plan.on_cuda)
 
     def fits(tokens: int) -> bool:
         trial = cfg.model_copy(deep=True)
         trial.trainer.micro_batch_tokens = tokens
-        act = compute_activation_bytes(plan.shape, trial, b, cfg.model.gradient_checkpointing)
+        act = compute_activation_bytes(plan.shape, trial, b, recomputed)
         return others + max(act["layers"], act["logprobs"]) <= left
 
     lo, hi = cfg.trainer.max_seq_len, cfg.trainer.micro_batch_tokens

@@ -370,6 +370,7 @@ def plan_memory(
         GiB,
         build_memory_plan,
         check_fit,
+        choose_recomputed_layers,
         format_plan,
         load_model_config,
     )
@@ -400,6 +401,11 @@ def plan_memory(
     gpu_bytes = int(stated * GiB) if stated is not None else (probed[0] if probed else None)
     source = "launch.gpu_memory_gib" if stated is not None else "read from the device"
     plan = build_memory_plan(cfg, model_config, gateway, gpu_bytes, on_cuda, teacher_config)
+    if cfg.model.gradient_checkpointing == "auto":
+        # The choice goes into the run's config.yaml: the trainer recomputes exactly the planned layers.
+        cfg.model.checkpoint_layers, why = choose_recomputed_layers(plan, cfg)
+        plan = build_memory_plan(cfg, model_config, gateway, gpu_bytes, on_cuda, teacher_config)
+        notes.append(why)
     lines = notes + format_plan(plan, source)
     problems = check_fit(plan, cfg, gateway)
     if probed is not None and not problems:

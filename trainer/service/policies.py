@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.backends import micro_batches
+from trainer.backends.checkpointing import apply_gradient_checkpointing
 from trainer.backends.local import (
     TokenLogprobs,
     adamw_step,
@@ -91,8 +92,7 @@ class MultiLora:
         self.base = model.to(self.device)
         if cfg.trainer.micro_batch_layout == "packed":
             enable_packed_attention(self.base)
-        if cfg.model.gradient_checkpointing:
-            self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        apply_gradient_checkpointing(self.base, cfg.model, self.device.type == "cuda")
         self.base.requires_grad_(False)
         self.peft: Any = None
         self.clients: dict[str, Client] = {}

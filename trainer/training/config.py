@@ -30,12 +30,29 @@ class ModelConfig(_Section):
         "auto", description="auto = bfloat16 on CUDA, float32 on CPU"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
-    gradient_checkpointing: bool = Field(
-        False, description="recompute activations in backward to save memory"
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        False,
+        description="recompute activations in backward to save memory: true = every decoder layer; auto = the "
+        "fewest layers whose planned peak fits the trainer's share of the GPU (the launcher's memory plan "
+        "chooses, --dry-run says why; every layer on a GPU without a plan, none on CPU)",
+    )
+    checkpoint_layers: int | None = Field(
+        None,
+        ge=0,
+        description="with gradient_checkpointing auto: how many decoder layers recompute, spread evenly; the "
+        "launcher's memory plan writes it; None = not chosen yet",
     )
     attn_implementation: str | None = Field(
         None, description="passed to from_pretrained (e.g. sdpa); None = HF default"
     )
+
+    def recomputed_layers(self, layers: int, on_cuda: bool) -> int:
+        """How many of `layers` decoder layers gradient checkpointing recomputes."""
+        if self.gradient_checkpointing == "auto":
+            if self.checkpoint_layers is not None:
+                return min(self.checkpoint_layers, layers)
+            return layers if on_cuda else 0
+        return layers if self.gradient_checkpointing else 0
 
 
 class LoraConfig(_Section):

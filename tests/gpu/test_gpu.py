@@ -90,7 +90,12 @@ def test_8b_trainer_peak_memory_is_within_the_plan(tmp_path):
 
     from benchmarks.trainer_bench import SHAPES
     from trainer.backends.local import LocalBackend
-    from trainer.orchestration.memory_plan import GiB, build_memory_plan, check_fit
+    from trainer.orchestration.memory_plan import (
+        GiB,
+        build_memory_plan,
+        check_fit,
+        choose_recomputed_layers,
+    )
 
     cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml", [f"trainer.output_dir={tmp_path}"])
     release_cuda_memory()
@@ -100,6 +105,9 @@ def test_8b_trainer_peak_memory_is_within_the_plan(tmp_path):
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES["llama-3.1-8b"]), dtype=torch.bfloat16)
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    plan = build_memory_plan(cfg, model.config.to_dict(), None, gpu_bytes, on_cuda=True)
+    # The recipe's checkpointing auto, as the launcher resolves it on this GPU (the trainer alone on it).
+    cfg.model.checkpoint_layers, why = choose_recomputed_layers(plan, cfg)
     plan = build_memory_plan(cfg, model.config.to_dict(), None, gpu_bytes, on_cuda=True)
     assert check_fit(plan, cfg, None) == []
     backend = LocalBackend(cfg, model=model)
@@ -135,6 +143,7 @@ def test_8b_trainer_peak_memory_is_within_the_plan(tmp_path):
         ratio=round(measured / plan.trainer.total, 3),
         plan_parts_gib={p.name: round(p.bytes / GiB, 2) for p in plan.trainer.parts},
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        checkpointing=why,
         steps=steps,
     )
     assert 0.5 * plan.trainer.total <= measured <= plan.trainer.total
@@ -358,3 +367,17 @@ def test_the_8b_bench_prints_its_json():
     result, _ = json.JSONDecoder().raw_decode(proc.stdout[start:])
     report("bench_8b", **{k: v for k, v in result.items() if k not in ("command", "config")})
     assert result["train_tokens_per_s"] > 0 and result["peak_memory_gb"] > 15
+
+
+def test_the_8b_ragged_bench_prints_padded_and_packed_figures():
+    """gsm8k-shaped steps on the 8B shape: the padded layout against packing and packing with each group's prompt
+    computed once, in one run (the figures for benchmarks/RESULTS.md: MFU, computed/real tokens, peak memory)."""
+    release_cuda_memory()
+    args = ["benchmarks", "trainer", "--ragged", "--shape", "llama-3.1-8b", "--device", "cuda"]
+    proc = run_module([*args, "--gradient-checkpointing", "--steps", "2"], 900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    report("bench_8b_ragged", **{k: v for k, v in result.items() if k != "config"})
+    layouts = result["layouts"]
+    assert layouts["packed_shared_prefix"]["computed_over_real"] < 0.6
+    assert result["speedup_vs_padded"]["packed_shared_prefix"] > 1.0

@@ -471,7 +471,7 @@ def test_checkpointing_auto_recomputes_the_fewest_layers_that_fit_and_the_traine
         if count:
             chosen.model.checkpoint_layers = count - 1
             fewer = build_memory_plan(chosen, LLAMA_8B, gateway, gpu * GiB, on_cuda=True)
-            assert check_fit(fewer, chosen, gateway), f"{count - 1} layers would fit on {gpu} GiB"
+            assert fewer.trainer.total > 0.9 * (gpu * GiB - fewer.shared_replicas * fewer.vllm_facts["share"])
     assert counts[400] == 0 and 0 < counts[141] <= counts[80] <= 32, counts
     assert counts[80] > counts[400]
     # Unplanned: every layer on a GPU, none on a CPU; true and false keep their meaning.

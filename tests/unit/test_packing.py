@@ -101,6 +101,11 @@ def test_identical_sequences_are_served_entirely_by_the_prefix():
     assert layout.computed_tokens == 5 and all(r == [0, 1, 2, 3, 4] for r in layout.rows)
 
 
+def test_no_sequences_plan_no_micro_batch():
+    # A data-parallel rank with fewer examples than ranks plans nothing (and trains a zero-weight placeholder).
+    assert find_trees([], min_prefix=16) == [] and plan_packed_micro_batches([], 256, 16) == []
+
+
 def test_tree_costs_count_the_prefix_once():
     t = Tree((0, 1, 2), prefix_len=10)
     assert t.cost([30, 20, 15]) == 10 + 20 + 10 + 5

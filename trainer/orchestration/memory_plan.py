@@ -588,6 +588,11 @@ def trainer_fixes(plan: MemoryPlan, cfg: RunConfig, gateway: dict[str, Any] | No
     return fixes
 
 
+# What checkpointing auto leaves free of the trainer's share: the plan's error (within a few percent of CPU
+# measurements, tests/unit/test_memory_plan.py) and the CUDA allocator's fragmentation.
+AUTO_CHECKPOINTING_MARGIN = 0.10
+
+
 def choose_recomputed_layers(plan: MemoryPlan, cfg: RunConfig) -> tuple[int, str]:
     """model.gradient_checkpointing auto: the fewest decoder layers to recompute whose trainer peak fits the
     trainer's share of its GPU (what shared vLLM replicas leave), and the sentence that says why."""
@@ -600,6 +605,7 @@ def choose_recomputed_layers(plan: MemoryPlan, cfg: RunConfig) -> tuple[int, str
             "gradient checkpointing auto: every layer (GPU size unknown; launch.gpu_memory_gib=N plans it)",
         )
     left = plan.gpu_bytes - plan.shared_replicas * plan.vllm_facts.get("share", 0)
+    room = left * (1 - AUTO_CHECKPOINTING_MARGIN)
     others = plan.trainer.total - plan.activations["chosen"]
     b = dtype_bytes(trainer_dtype(cfg, plan.on_cuda))
 
@@ -609,12 +615,12 @@ def choose_recomputed_layers(plan: MemoryPlan, cfg: RunConfig) -> tuple[int, str
 
     none = peak(0)
     for count in range(L + 1):
-        if others + peak(count) <= left:
+        if others + peak(count) <= room:
             what = "none" if count == 0 else "every layer" if count == L else f"{count} of {L} layers"
             return count, (
                 f"gradient checkpointing auto: {what} recomputed, the least that fits: trainer "
-                f"{gib(others + peak(count))} of the {gib(left)} it has (no checkpointing would need "
-                f"{gib(others + none)})"
+                f"{gib(others + peak(count))} of the {gib(left)} it has, {AUTO_CHECKPOINTING_MARGIN:.0%} kept "
+                f"free (no checkpointing would need {gib(others + none)})"
             )
     return L, (
         f"gradient checkpointing auto: every layer recomputed, and even so the trainer needs "

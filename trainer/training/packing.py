@@ -58,6 +58,8 @@ def find_trees(sequences: Sequence[Sequence[int]], min_prefix: int) -> list[Tree
     prefix are neighbours and a run's common prefix is the smallest neighbour-to-neighbour one; a run either is
     one tree, or splits where that smallest one occurs, whichever computes less (so a sequence sharing only a few
     tokens does not shorten what a group shares). min_prefix <= 0 turns sharing off."""
+    if not sequences:
+        return []
     order = sorted(range(len(sequences)), key=lambda i: (list(sequences[i]), i))
     lcps = [common_prefix_len(sequences[a], sequences[b]) for a, b in itertools.pairwise(order)]
     lengths = [len(s) for s in sequences]

@@ -133,12 +133,16 @@ async def serve(args: argparse.Namespace) -> int:
         uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     )
 
+    gave_up = False  # the backend failed for good: the exit code says so (shutdown then marks it stopped)
+
     async def watch() -> None:
+        nonlocal gave_up
         while not server.should_exit:
             if backend.state == "failed":
                 logging.error(
                     "the sampling backend failed; stopping the gateway (read the logs in %s)", log_dir
                 )
+                gave_up = True
                 server.should_exit = True
             await asyncio.sleep(0.5)
 
@@ -153,7 +157,7 @@ async def serve(args: argparse.Namespace) -> int:
     gc.freeze()
     await server.serve(sockets=[sock])
     watcher.cancel()
-    return 1 if backend.state == "failed" else 0
+    return 1 if gave_up or backend.state == "failed" else 0
 
 
 def print_vllm_command(args: argparse.Namespace) -> int:

@@ -28,6 +28,9 @@ class ReplicaSet:
         if not replicas:
             raise ValueError("need at least one replica")
         self.replicas = replicas
+        shared = replicas[0].quarantine  # a request that killed one replica and then another is held too
+        for r in replicas:
+            r.quarantine = shared
         self.wanted = wanted  # the adapters every replica should hold (the registry's loaded policies)
         self._busy: Counter[int] = Counter()
         self._reconciler: asyncio.Task[None] | None = None

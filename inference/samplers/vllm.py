@@ -32,6 +32,9 @@ from inference.policy.adapters import base_linear_shapes, validate_adapter
 from inference.policy.registry import Policy
 from inference.polling import poll_until
 from inference.samplers.base_lora import BASE_LORA_NAME, save_zero_adapter
+from inference.samplers.lanes import scoring_runs_alone
+from inference.samplers.quarantine import DEATHS_BEFORE_QUARANTINE, Quarantine
+from inference.samplers.scoring_split import merge_answers, split_scoring_body
 from inference.samplers.vllm_guard import KeyGuard
 from inference.wire import Sample, SamplingRequest
 
@@ -212,6 +215,9 @@ class VLLMBackend:
         self.state = "stopped"  # starting | ready | restarting | failed | stopped
         self.restarts = 0
         self.restart_reasons: list[str] = []  # why each crash restart happened, oldest first (the last 10)
+        # Requests vLLM died on twice are never sent again; on CPU a scoring request goes one sequence at a time.
+        self.quarantine = Quarantine()
+        self.split_scoring = scoring_runs_alone(cfg)
         self.max_model_len: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         # vLLM's ZMQ sockets (VLLM_RPC_BASE_PATH, else the system temp folder): a folder per process, removed once
@@ -445,6 +451,7 @@ class VLLMBackend:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.request_timeout_s
         retried_alive = False
+        self.quarantine.check(path, body)
         while True:
             incarnation = await self._wait_ready(deadline)
             try:
@@ -456,15 +463,29 @@ class VLLMBackend:
                     return self._check(r)
                 failure = self._http_error(r)
             if not self.wait_on_crash:  # a replica set fails over to another replica on a 503
-                raise BackendError(503, failure.message) if self._flagged(incarnation) else failure
+                if self._flagged(incarnation):
+                    raise self._death_of(path, body, incarnation) or BackendError(503, failure.message)
+                raise failure
             if loop.time() >= deadline:
                 raise self._out_of_time(failure)
             if await self._died(incarnation, deadline):
+                held = self._death_of(path, body, incarnation)
+                if held is not None:
+                    raise held
                 log.warning("a request to %s was cut off by vLLM's death; sending it again", path)
                 continue
             if retried_alive:
                 raise failure
             retried_alive = True
+
+    def _death_of(self, path: str, body: dict[str, Any], incarnation: int) -> BackendError | None:
+        """Count the death of vLLM process `incarnation` against the request it cut off; the quarantine error when
+        that request has now been in flight at DEATHS_BEFORE_QUARANTINE deaths."""
+        why = self.restart_reasons[-1] if self.restart_reasons else "it died"
+        held = self.quarantine.died_on(path, body, f"{self.url}#{incarnation}", why)
+        if held is not None:
+            log.error("vLLM died %d times on a request to %s: quarantined", DEATHS_BEFORE_QUARANTINE, path)
+        return held
 
     def _flagged(self, incarnation: int) -> bool:
         """The supervisor has declared the vLLM process `incarnation` dead (it is restarting, or restarted)."""
@@ -545,6 +566,14 @@ class VLLMBackend:
         except ValueError:  # the adapter routes answer plain text
             return {"text": r.text}
 
+    async def _send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """_post, with a scoring request for several sequences sent one sequence at a time where the engine would
+        die on it batched (inference/samplers/scoring_split.py)."""
+        parts = split_scoring_body(path, body) if self.split_scoring else None
+        if parts is None:
+            return await self._post(path, body)
+        return merge_answers([await self._post(path, sub) for sub, _, _ in parts], parts)
+
     async def sample(self, req: SamplingRequest, policy: Policy) -> list[Sample]:
         body = {
             **req.sampling,
@@ -555,10 +584,10 @@ class VLLMBackend:
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
         }
-        return parse_completion_choices(await self._post("/v1/completions", body))
+        return parse_completion_choices(await self._send("/v1/completions", body))
 
     async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
-        return await self._post(path, {**body, "model": self.served_name(policy)})
+        return await self._send(path, {**body, "model": self.served_name(policy)})
 
     @staticmethod
     def served_name(policy: Policy) -> str:

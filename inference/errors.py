@@ -18,6 +18,7 @@ Reason = Literal[
     "unauthorized",  # a publish without the token
     "conflict",  # a publish that would go back in time
     "verification_failed",  # a publish whose adapter, once loaded, did not give the trainer's probe logprobs
+    "from_web_page",  # a write a web page could send (another site's Origin, a form type) or a non-loopback Host
     "quarantined",  # a request vLLM died on twice: never sent to it again (inference/samplers/quarantine.py)
     "internal_error",  # an exception the gateway did not expect (a bug)
 ]

@@ -83,7 +83,7 @@ def client_for(backend: ScriptedBackend, **cfg: Any) -> tuple[httpx.AsyncClient,
     gcfg = GatewayConfig(model="m", vllm={"max_lora_rank": 8}, **cfg)
     reg = PolicyRegistry("base", gcfg.keep_versions)
     app = create_app(gcfg, backend, reg, vocab_size=100, start_backend=False)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw"), reg
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1"), reg
 
 
 def publish_body(version: int, path: str | None, replace_newer: bool = False) -> dict[str, Any]:

@@ -215,7 +215,7 @@ async def test_eval_prompt_scoring_takes_the_solo_lane_where_the_policy_routes_d
     backend.gate = asyncio.Event()
     gcfg = GatewayConfig(model="m", vllm={"platform": platform})
     app = create_app(gcfg, backend, PolicyRegistry("base", 1), vocab_size=100, start_backend=False)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
     async with client:
         first = asyncio.create_task(client.post("/eval/base/generate", json=GEN))
         await asyncio.sleep(SETTLE_S)

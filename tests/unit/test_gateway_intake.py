@@ -62,7 +62,7 @@ class FakeClock:
 def app_for(backend: ScriptedBackend) -> tuple[httpx.AsyncClient, Gateway]:
     gcfg = GatewayConfig(model="m", vllm={"max_lora_rank": 8}, max_body_bytes=4096)
     app = create_app(gcfg, backend, PolicyRegistry("base", 1), vocab_size=100, start_backend=False)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
     return client, app.state.gateway
 
 
@@ -312,7 +312,7 @@ async def test_an_unexpected_exception_is_counted_as_internal_error():
     gcfg = GatewayConfig(model="m", vllm={"max_lora_rank": 8})
     app = create_app(gcfg, backend, PolicyRegistry("base", 1), vocab_size=100, start_backend=False)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
         r = await client.post("/generate", json={"prompt": {"prompt_token_ids": [1]}, "max_tokens": 2})
         assert r.status_code == 500
         status = await status_of(client)

@@ -262,7 +262,7 @@ async def test_a_scoring_request_shares_the_engine_except_on_cpu(platform, share
     transport = httpx.ASGITransport(app=app)
     sample = {"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 4}
     score = {**sample, "prompt_logprobs": 1}
-    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
         first = asyncio.create_task(client.post("/generate", json=sample))
         await asyncio.sleep(0.05)
         scoring = asyncio.create_task(client.post("/generate", json=score))

@@ -211,7 +211,7 @@ async def test_gateway_serves_from_tinker_sampling_clients(fake_root, tokenizer_
     app = create_app(gateway_cfg, backend, registry, vocab_size=len(tok), start_backend=False)
     await backend.start()
     async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=120
+        transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=120
     ) as c:
         assert (await c.get("/health")).status_code == 200
         r = await c.post(

@@ -33,6 +33,8 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from rlcommon.browser_guard import BrowserGuard
+from rlcommon.hosts import LOOPBACK_HOSTS
 from trainer.service.checkpoints import Catalog, install, json_body, parse_save_options, parse_user_metadata
 from trainer.service.policies import LoraSpec, MultiLora
 from trainer.service.sampling import (
@@ -592,6 +594,13 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
     @app.exception_handler(UserError)
     async def refused(_: Request, exc: UserError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    # Outside the key check: a web page must not drive the service, key or no key (rlcommon/browser_guard.py).
+    app.add_middleware(
+        BrowserGuard,
+        loopback_only=cfg.service.host in LOOPBACK_HOSTS,
+        error_body=lambda status, message: json.dumps({"detail": message}).encode(),
+    )
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Any) -> Response:

@@ -66,6 +66,18 @@ def synthetic_examples(n: int, seq_len: int, vocab: int, prompt_len: int, seed: 
     return out
 
 
+def provenance(args: argparse.Namespace, base_params: int) -> dict[str, Any]:
+    """What every result records first: the command, revision, machine and settings that produced it."""
+    return {
+        "command": " ".join([COMMAND, *args.argv]),
+        "git_sha": git_sha(),
+        "hardware": hardware(),
+        "torch": torch.__version__,
+        "config": {k: v for k, v in vars(args).items() if k != "argv"},
+        "base_params": base_params,
+    }
+
+
 def ragged_examples(groups: int, group_size: int, vocab: int, seed: int) -> list[TrainingExample]:
     """gsm8k-shaped steps: groups sharing a 100-300 token prompt (not trained), completions of 32-256 tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -154,12 +166,7 @@ def run_ragged(args: argparse.Namespace) -> dict[str, Any]:
         layouts[name] = row
     base = layouts["padded"]["real_tokens_per_s"]
     return {
-        "command": " ".join([COMMAND, *args.argv]),
-        "git_sha": git_sha(),
-        "hardware": hardware(),
-        "torch": torch.__version__,
-        "config": {k: v for k, v in vars(args).items() if k != "argv"},
-        "base_params": base_params,
+        **provenance(args, base_params),
         "sequences": len(examples),
         "real_tokens_per_step": real,
         "layouts": layouts,
@@ -265,12 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     adapter_bytes = (Path(path) / "adapter_model.safetensors").stat().st_size
     step_s = statistics.median(step_times)
     result: dict[str, Any] = {
-        "command": " ".join([COMMAND, *args.argv]),
-        "git_sha": git_sha(),
-        "hardware": hardware(),
-        "torch": torch.__version__,
-        "config": {k: v for k, v in vars(args).items() if k != "argv"},
-        "base_params": base_params,
+        **provenance(args, base_params),
         "lora_params": sum(p.numel() for p in backend.params),
         "tokens_per_step": tokens_per_step,
         "step_s_median": step_s,

@@ -103,3 +103,33 @@ async def test_a_page_cannot_drive_the_tinker_protocol_service(tmp_path: Path):
         r = await client.get("/health", headers={"host": "rebound.attacker.example:8100"})
         assert r.status_code == 403
         assert (await client.get("/api/v1/healthz")).status_code == 200
+
+
+def test_the_service_refuses_an_open_bind_and_keeps_its_key_off_the_command_line(tmp_path, monkeypatch):
+    from trainer.orchestration import service_launch
+    from trainer.training.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"service.host='0.0.0.0' exposes the service.*service.api_key"):
+        load_config(RunConfig, None, ["service.host=0.0.0.0"])
+    with pytest.raises(ConfigError, match="of 8 characters"):
+        load_config(RunConfig, None, ["service.host=0.0.0.0", "service.api_key=tml-1234"])
+    started: list[list[str]] = []
+
+    class Proc:
+        def __init__(self, argv: list[str], **_: object) -> None:
+            started.append(argv)
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(service_launch.subprocess, "Popen", Proc)
+    monkeypatch.setattr(service_launch, "supervise", lambda *a: 0)
+    monkeypatch.setattr(service_launch, "stop_child", lambda *a, **k: None)
+    key = "tml-secret-0123456789abcdef"
+    args = [f"service.output_dir={tmp_path}", "service.sampling=false", f"service.api_key={key}"]
+    assert service_launch.main(args) == 0
+    (argv,) = started
+    assert not any(key in a for a in argv), argv
+    config = tmp_path / "logs" / "service.yaml"
+    assert argv[-2:] == ["--config", str(config)] and key in config.read_text()
+    assert config.stat().st_mode & 0o777 == 0o600

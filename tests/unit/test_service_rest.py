@@ -240,6 +240,14 @@ def test_bad_input_is_a_user_error_naming_the_field(service_client, rest):
     path = tc.save_state("kept").result().path
     with pytest.raises(tinker.BadRequestError, match=r"set_checkpoint_ttl\.ttl_seconds"):
         rest.set_checkpoint_ttl_from_tinker_path(path, 0).result()
+    # A name longer than a folder name may be: a user error, never a server error (the OS refuses the path).
+    long = "x" * 300
+    with pytest.raises(tinker.BadRequestError, match="at most 255 bytes"):
+        rest.delete_checkpoint(tc.model_id, f"weights/{long}").result()
+    with pytest.raises(tinker.BadRequestError, match="at most 255 bytes"):
+        rest.set_checkpoint_ttl_from_tinker_path(f"tinker://{tc.model_id}/weights/{long}", 60).result()
+    with pytest.raises(tinker.RequestFailedError, match="at most 255 bytes"):
+        tc.save_state(long).result()
 
 
 def test_what_is_not_served_is_refused_by_name(service_client, rest):

@@ -129,14 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"launch.sh service: {exc}", file=sys.stderr)
         return 2
-    service_argv = [sys.executable, "-m", "trainer.service"] + (
-        ["--config", args.config] if args.config else []
-    )
-    service_argv += args.overrides
     log_dir = Path(cfg.service.output_dir) / "logs"
     if args.dry_run:
-        return dry_run(cfg, service_argv, log_dir)
+        shown = [sys.executable, "-m", "trainer.service"] + (["--config", args.config] if args.config else [])
+        return dry_run(cfg, [*shown, *args.overrides], log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    # The resolved config goes to the service in a file only its user reads: an override such as
+    # service.api_key=... on its command line would be visible to every user of the machine (ps).
+    service_yaml = log_dir / "service.yaml"
+    write_private(service_yaml, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    service_argv = [sys.executable, "-m", "trainer.service", "--config", str(service_yaml)]
 
     def on_signal(signum: int, _: FrameType | None) -> None:
         raise Stop(signum)

@@ -35,7 +35,14 @@ from fastapi.responses import JSONResponse, Response
 
 from rlcommon.browser_guard import BrowserGuard
 from rlcommon.hosts import LOOPBACK_HOSTS
-from trainer.service.checkpoints import Catalog, install, json_body, parse_save_options, parse_user_metadata
+from trainer.service.checkpoints import (
+    Catalog,
+    check_name_length,
+    install,
+    json_body,
+    parse_save_options,
+    parse_user_metadata,
+)
 from trainer.service.policies import LoraSpec, MultiLora
 from trainer.service.sampling import (
     GatewaySampler,
@@ -377,9 +384,17 @@ class Service:
         return Result({"metrics": metrics})
 
     def state_folder(self, model_id: str, kind: str, name: str) -> Path:
+        """service.output_dir/<model id>/<kind>/<name>; a model id or name that would lead elsewhere (`..`, a
+        hidden or empty part, a separator) is refused: a tinker path never reaches outside its run."""
         if not name or "/" in name or name.startswith("."):
             raise UserError(f"checkpoint name {name!r}: use a plain name (letters, digits, -_.)")
-        return self.root / safe_name(model_id) / kind / name
+        check_name_length(name, "checkpoint name")
+        run = safe_name(model_id)
+        if not run or run.startswith(".") or "\\" in run:
+            raise UserError(
+                f"model id {model_id!r}: not a model id this service gave (tinker://MODEL_ID/...)"
+            )
+        return self.root / run / kind / name
 
     def resolve(self, path: str) -> Path:
         """tinker://MODEL_ID/weights/NAME -> its folder."""

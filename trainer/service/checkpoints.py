@@ -112,7 +112,21 @@ def _split(checkpoint_id: str) -> tuple[str, str]:
         raise UserError(
             f"checkpoint_id {checkpoint_id!r}: NAME must be a plain name (no '/', not starting '.')"
         )
+    check_name_length(name, "checkpoint_id")
     return kind, name
+
+
+MAX_NAME_BYTES = (
+    255  # a folder name on Linux file systems: a longer one is an OSError, not a missing checkpoint
+)
+
+
+def check_name_length(name: str, where: str) -> None:
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise UserError(
+            f"{where}: a checkpoint name of {len(name.encode('utf-8', 'surrogatepass'))} bytes; names are at most "
+            f"{MAX_NAME_BYTES} bytes (they are folder names)"
+        )
 
 
 # --- the record --------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rlcommon.hosts import LOOPBACK_HOSTS
 from rlcommon.overrides import apply_overrides, error_lines, renamed_key
 from rlcommon.slots import DEFAULT_MAX_STALENESS, KEEP_VERSIONS_MEANING
 from trainer.training.losses import DEFAULT_DRO_BETA, RATIO_LOSSES, LossName, LossParams, Reduction
@@ -609,6 +610,9 @@ class LaunchConfig(_Section):
     )
 
 
+MIN_SERVICE_KEY_CHARS = 20  # tml- and 16 more: a key off loopback
+
+
 class ServiceConfig(_Section):
     """The local Tinker-protocol service (`bash launch.sh service`): the unmodified tinker SDK trains LoRA adapters
     of `model.path` here, several clients on one base."""
@@ -653,6 +657,22 @@ class ServiceConfig(_Section):
         description="unnamed snapshots (save_weights_and_get_sampling_client) kept per training client; older "
         "ones are deleted",
     )
+
+    @model_validator(mode="after")
+    def _key_off_loopback(self) -> ServiceConfig:
+        # The gateway and the dashboard refuse an open bind beyond this machine; so does the service.
+        if self.host not in LOOPBACK_HOSTS and len(self.api_key or "") < MIN_SERVICE_KEY_CHARS:
+            have = (
+                "no service.api_key"
+                if not self.api_key
+                else f"a service.api_key of {len(self.api_key)} characters"
+            )
+            raise ValueError(
+                f"service.host={self.host!r} exposes the service beyond this machine with {have}: set "
+                f"service.api_key (tml- and at least {MIN_SERVICE_KEY_CHARS} characters in all, e.g. "
+                "tml-$(openssl rand -hex 16)), or keep service.host=127.0.0.1"
+            )
+        return self
 
 
 class RunConfig(_Section):

@@ -177,3 +177,73 @@ def test_the_launcher_starts_the_dashboard_on_a_socket_it_bound(
         comp.argv[5:] == ["--fd", str(comp.pass_fds[0])] and comp.log == tmp_path / "logs" / "dashboard.log"
     )
     assert capsys.readouterr().out.startswith("dashboard: http://127.0.0.1:")
+
+
+@pytest.mark.parametrize("source_id", ["0:" + "x" * 300, "²:x", "9" * 5000 + ":x", "0:a/" + "y" * 4000])
+def test_crafted_ids_are_a_404_not_a_server_error(runs: Path, source_id: str) -> None:
+    c = TestClient(create_app([runs]), base_url=LOCAL, raise_server_exceptions=False)
+    for route in ("/api/facts", "/api/series"):
+        r = c.get(route, params={"id": source_id})
+        assert r.status_code == 404, (route, r.status_code, r.text[:200])
+
+
+def test_a_fifo_or_a_link_to_a_device_is_named_not_read(tmp_path: Path) -> None:
+    """A FIFO as metrics.jsonl blocked the reading threads until the server stopped answering; a link to /dev/zero
+    read until memory ran out. Both are now refused by kind, at once."""
+    root = tmp_path / "runs"
+    (root / "fifo").mkdir(parents=True)
+    os.mkfifo(root / "fifo" / "metrics.jsonl")
+    (root / "fifo" / "config.yaml").write_text("model: {path: tiny}\n")
+    (root / "zero").mkdir()
+    (root / "zero" / "metrics.jsonl").symlink_to("/dev/zero")
+    os.mkfifo(root / "zero" / "config.yaml")
+    (root / "zero" / "faults.json").symlink_to("/dev/zero")
+    c = client(root)
+    ids = {s["id"] for s in c.get("/api/sources").json()["sources"]}
+    assert ids == {"0:fifo", "0:zero"}
+    for source_id in ids:
+        series = c.get("/api/series", params={"id": source_id}).json()
+        assert series["rows"] == 0 and any("not a regular file" in p for p in series["problems"]), series
+        facts = c.get("/api/facts", params={"id": source_id})
+        assert facts.status_code == 200, facts.text
+
+
+def test_parallel_polls_of_a_growing_file_each_see_whole_rows(tmp_path: Path) -> None:
+    """The server answers polls on several threads: they shared one reader's tail without a lock, and 8 parallel
+    polls of a growing file answered 500s and row counts past the file's."""
+    import threading
+
+    root = tmp_path / "runs"
+    path = root / "run" / "metrics.jsonl"
+    write_rows(path, [step_row(s) for s in range(1, 101)])
+    c = client(root)
+    errors: list[str] = []
+    counts: list[int] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        step = 101
+        while not stop.is_set() and step < 3000:
+            write_rows(path, [step_row(s) for s in range(step, step + 20)])
+            step += 20
+
+    def poller() -> None:
+        for _ in range(15):
+            r = c.get("/api/series", params={"id": "0:run"})
+            if r.status_code != 200:
+                errors.append(f"{r.status_code} {r.text[:100]}")
+                continue
+            counts.append(r.json()["rows"])
+
+    w = threading.Thread(target=writer)
+    w.start()
+    polls = [threading.Thread(target=poller) for _ in range(8)]
+    for t in polls:
+        t.start()
+    for t in polls:
+        t.join()
+    stop.set()
+    w.join()
+    lines = len(path.read_text().splitlines())
+    assert not errors, errors[:3]
+    assert counts and max(counts) <= lines, (max(counts), lines)

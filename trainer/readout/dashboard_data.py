@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,13 +72,17 @@ def resolve(roots: list[Path], source_id: str) -> Source | None:
     """The source with this id, found without listing every folder (the page asks for one every 2 s); None when
     the id names no run or client folder within the depth searched under a root given."""
     index, _, rel = source_id.partition(":")
-    if not index.isdigit() or int(index) >= len(roots) or not rel:
+    # ASCII digits only, and few: int() refuses '²' and a 5000-digit number with an exception, not a miss.
+    if not (index.isascii() and index.isdigit() and len(index) <= 6) or int(index) >= len(roots) or not rel:
         return None
     parts = Path(rel).parts
     if rel != "." and (".." in parts or Path(rel).is_absolute() or len(parts) > SEARCH_DEPTH):
         return None
     folder = roots[int(index)] / rel if rel != "." else roots[int(index)]
-    kind = folder_kind(folder) if folder.is_dir() else None
+    try:
+        kind = folder_kind(folder) if folder.is_dir() else None
+    except OSError:  # a name the file system refuses (too long, ...) names no run
+        return None
     if kind is None:
         return None
     return Source(source_id, kind, folder.name if rel == "." else Path(rel).as_posix(), folder)
@@ -112,7 +118,17 @@ def folder_kind(folder: Path) -> str | None:
     return "run" if any((folder / m).exists() for m in RUN_MARKERS) else None
 
 
+def regular_file(path: Path) -> bool:
+    """A plain file (a link to one included): a FIFO would block the reading thread, /dev/zero never end."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
 def _first_line(path: Path) -> str | None:
+    if not regular_file(path):
+        return None
     try:
         with path.open("rb") as f:
             return f.readline(1 << 16).decode("utf-8", errors="replace")
@@ -139,14 +155,23 @@ class Reader:
 
     def __init__(self) -> None:
         self._tails: dict[Path, _Tail] = {}
+        # The server answers polls on several threads at once; a tail is read and extended by one at a time.
+        self._lock = threading.Lock()
 
     def metrics(self, path: Path) -> tuple[Metrics, str]:
         """The file's metrics and a key that changes when the file is replaced (a poller then starts over)."""
+        with self._lock:
+            return self._metrics(path)
+
+    def _metrics(self, path: Path) -> tuple[Metrics, str]:
         try:
             st = os.stat(path)
         except OSError:
             self._tails.pop(path, None)
             return read_metrics(path), ""
+        if not stat.S_ISREG(st.st_mode):
+            self._tails.pop(path, None)
+            return Metrics([], [f"{path} is not a regular file: not read"]), ""
         key = f"{st.st_dev}-{st.st_ino}"
         tail = self._tails.get(path)
         if tail is not None and (tail.inode, tail.size, tail.mtime_ns) == (
@@ -322,6 +347,8 @@ def facts(source: Source, reader: Reader) -> dict[str, Any]:
 
 def config_text(path: Path) -> tuple[str | None, str | None]:
     """The YAML as written, with the value of each secret key replaced; (None, why) when it cannot be read."""
+    if path.exists() and not regular_file(path):
+        return None, f"{path} is not a regular file: not read"
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
@@ -340,6 +367,8 @@ def _hide_secret(line: str) -> str:
 
 
 def _faults(path: Path) -> tuple[dict[str, Any], str | None]:
+    if path.exists() and not regular_file(path):
+        return {}, f"{path} is not a regular file: not read"
     try:
         value = json.loads(path.read_text())
     except FileNotFoundError:

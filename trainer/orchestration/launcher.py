@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from rlcommon.hosts import LOOPBACK_HOSTS
+from rlcommon.redaction import redact, redact_override
 from trainer.orchestration.commands import (
     PY,
     ROOT,
@@ -229,23 +230,14 @@ def bind_locally(cfg: RunConfig) -> tuple[dict[str, int], dict[str, Any]]:
     return {"run-api": api.detach(), "gateway": gateway.detach()}, {"host": host, "port": port}
 
 
-SECRET_KEYS = ("publish_token", "api_key", "teacher_api_key")
-
-
 def redacted(data: Any) -> Any:
-    """A copy of a config for printing: secrets shown only as whether they are set."""
-    if isinstance(data, dict):
-        return {
-            k: ("<hidden>" if k in SECRET_KEYS and v and not str(v).startswith("<") else redacted(v))
-            for k, v in data.items()
-        }
-    return data
+    """A copy of a config for printing: secrets shown only as whether they are set (rlcommon/redaction.py)."""
+    return redact(data)
 
 
 def redacted_override(arg: str) -> str:
     """A command-line word for printing: a dotted override of a secret (inference.publish_token=...) hidden."""
-    key, sep, value = arg.partition("=")
-    return f"{key}=<hidden>" if sep and value and key.rpartition(".")[2] in SECRET_KEYS else arg
+    return redact_override(arg)
 
 
 def write_private(path: Path, text: str) -> None:

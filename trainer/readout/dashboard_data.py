@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from rlcommon.redaction import HIDDEN, is_secret_name, redact, redact_text
 from trainer.readout.plots import thin
 from trainer.readout.runfolder import (
     EVENTS,
@@ -48,8 +51,6 @@ RUN_SERIES = (
 )
 RUN_MARKERS = ("metrics.jsonl", "config.yaml", "faults.json", "adapters")
 # Config keys whose values are secrets (the publish token, API keys): shown as <hidden>.
-SECRET_KEY = re.compile(r"token|api_key|secret|password", re.IGNORECASE)
-HIDDEN = "<hidden>"
 NEWEST_SHOWN = 5  # checkpoints, adapters and saved client states listed per folder
 
 
@@ -346,7 +347,9 @@ def facts(source: Source, reader: Reader) -> dict[str, Any]:
 
 
 def config_text(path: Path) -> tuple[str | None, str | None]:
-    """The YAML as written, with the value of each secret key replaced; (None, why) when it cannot be read."""
+    """The YAML with every secret hidden (rlcommon/redaction.py: keys, flags in argument lists, URL credentials);
+    (None, why) when it cannot be read. A file that does not parse (half-written, hand-edited) is shown line by
+    line, each line's secret hidden."""
     if path.exists() and not regular_file(path):
         return None, f"{path} is not a regular file: not read"
     try:
@@ -355,15 +358,20 @@ def config_text(path: Path) -> tuple[str | None, str | None]:
         return None, f"no {path.name} in {path.parent}"
     except OSError as exc:
         return None, f"{path} cannot be read: {exc}"
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None
+    if isinstance(data, dict):
+        return yaml.safe_dump(redact(data), sort_keys=False).rstrip("\n"), None
     return "\n".join(_hide_secret(line) for line in text.splitlines()), None
 
 
 def _hide_secret(line: str) -> str:
-    # Line by line, not by parsing: a half-written or hand-edited config still shows, and its secrets stay hidden.
     match = re.match(r"^(\s*-?\s*)([^:#\s][^:#]*):(\s*)(\S.*)?$", line)
-    if match and SECRET_KEY.search(match.group(2)) and match.group(4) not in (None, "null", "~", "''", '""'):
+    if match and is_secret_name(match.group(2)) and match.group(4) not in (None, "null", "~", "''", '""'):
         return f"{match.group(1)}{match.group(2)}:{match.group(3) or ' '}{HIDDEN}"
-    return line
+    return redact_text(line)
 
 
 def _faults(path: Path) -> tuple[dict[str, Any], str | None]:

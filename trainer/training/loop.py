@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from rlcommon.redaction import redact
 from trainer.training.backend import TeacherScoring, TrainingBackend
 from trainer.training.batch import (
     ConvertedBatch,
@@ -228,7 +229,7 @@ class MetricsWriter:
                 id=wandb_run_id(run_dir, TRAINER),
                 dir=str(run_dir),
                 mode=current_mode(),  # type: ignore[arg-type]
-                config=cfg.model_dump(mode="json"),
+                config=redact(cfg.model_dump(mode="json")),  # W&B uploads it: tokens and keys hidden
                 resume="allow",
                 reinit="create_new",  # beside any other run of this process
             )

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from rlcommon.redaction import redact
+
 TRAINER = "trainer"
 ENVIRONMENT = "environment"
 EVALUATION = "eval"
@@ -133,7 +135,7 @@ class EvalRun:
             id=wandb_run_id(run_dir, EVALUATION),
             dir=str(run_dir),
             mode=current_mode(),  # type: ignore[arg-type]
-            config=config,
+            config=redact(config),
             resume="allow",
             reinit="create_new",  # beside any other run of this process
             # The launcher's own output is not the evaluations', and it says where the group goes (describe).

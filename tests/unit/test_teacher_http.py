@@ -77,7 +77,11 @@ class FakeServer:
             return httpx.Response(200, json={"tokens": self.tokenize(body), "count": 0, "max_model_len": 64})
         if path == "/v1/completions":
             choices = [self.edit_choice(vllm_choice(i, ids)) for i, ids in enumerate(body["prompt"])]
-            return httpx.Response(200, json={"choices": choices[::-1] if self.reverse else choices})
+            answer = {"choices": choices[::-1] if self.reverse else choices}
+            # As Python servers write it: -inf and NaN as the non-standard -Infinity and NaN.
+            return httpx.Response(
+                200, content=json.dumps(answer).encode(), headers={"content-type": "application/json"}
+            )
         return httpx.Response(404, json={"detail": "Not Found"})
 
 
@@ -158,6 +162,97 @@ def test_a_server_that_is_not_what_scoring_needs_is_named_with_the_reason():
     broken = TrainingExample([1, 2, 3], [9, 9, 9], [1.0] * 3, [0.0] * 3, [0.0] * 3)
     with pytest.raises(ValueError, match="not its inputs shifted by one"):
         teacher(FakeServer()).teacher_logprobs([broken])
+
+
+def every_logprob(value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda c: {
+        **c,
+        "prompt_logprobs": [None] + [{k: {"logprob": value} for k in r} for r in c["prompt_logprobs"][1:]],
+    }
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (every_logprob(-1e30), "below any logprob"),
+        (every_logprob(float("-inf")), "below any logprob"),
+        (every_logprob("x"), "malformed"),
+        (every_logprob(None), "malformed"),
+        (
+            lambda c: {**c, "prompt_logprobs": [None] + [[1, 2]] * (len(c["prompt_logprobs"]) - 1)},
+            "malformed",
+        ),
+        (lambda c: {**c, "index": 7}, "index 7"),
+        (lambda c: {**c, "index": "0"}, "index '0'"),
+        (lambda c: [1, 2], "index None"),
+    ],
+)
+def test_a_hostile_or_broken_answer_is_a_named_teacher_error(edit, message):
+    """A logprob of -1e30 made the teacher's KL 1e30, -inf passed as a missing sampler logprob (NaN, no error);
+    garbage shapes raised bare KeyError/IndexError instead of naming the teacher."""
+    server = FakeServer()
+    server.edit_choice = edit
+    with pytest.raises(TeacherServerError, match=message):
+        teacher(server).teacher_logprobs(EXAMPLES)
+
+
+def test_an_answer_that_is_not_json_or_lacks_choices_is_named():
+    for answer, message in (
+        (b"<html>", "not JSON"),
+        (b'{"choices": 3}', "no choices list"),
+        (b"[]", "no choices"),
+    ):
+        server = FakeServer()
+
+        def reply(request: httpx.Request, answer: bytes = answer) -> httpx.Response:
+            if request.url.path == "/v1/completions":
+                return httpx.Response(200, content=answer)
+            return server(request)
+
+        t = UrlTeacher(URL, transport=httpx.MockTransport(reply))
+        with pytest.raises(TeacherServerError, match=message):
+            t.teacher_logprobs(EXAMPLES)
+
+
+def test_a_trickling_or_endless_answer_is_cut_at_the_deadline_or_the_size_bound(monkeypatch):
+    """httpx's timeout bounds each read: a server sending a byte now and then held teacher_timeout_s=3 for 22 s,
+    and a 1.5 GB answer ran the trainer out of memory."""
+    import time
+
+    from trainer.training import teacher_http
+
+    class Trickle(httpx.SyncByteStream):
+        def __iter__(self):  # type: ignore[override]
+            while True:
+                time.sleep(0.05)
+                yield b" "
+
+    server = FakeServer()
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            return httpx.Response(200, stream=Trickle())
+        return server(request)
+
+    t = UrlTeacher(URL, transport=httpx.MockTransport(reply), timeout_s=0.5, retry_budget_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(Exception, match="teacher_timeout_s=0.5|distillation teacher"):
+        t.teacher_logprobs(EXAMPLES)
+    assert time.monotonic() - started < 5
+    monkeypatch.setattr(teacher_http, "MAX_ANSWER_BYTES", 1000)
+
+    class Flood(httpx.SyncByteStream):
+        def __iter__(self):  # type: ignore[override]
+            while True:
+                yield b"x" * 512
+
+    def flood(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            return httpx.Response(200, stream=Flood())
+        return server(request)
+
+    with pytest.raises(TeacherServerError, match="passed 1000 bytes"):
+        UrlTeacher(URL, transport=httpx.MockTransport(flood)).teacher_logprobs(EXAMPLES)
 
 
 def test_transient_failures_are_retried_and_a_lasting_one_names_the_teacher():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,10 @@ from trainer.training.batch import TrainingExample, plan_micro_batches
 from trainer.training.config import ConfigError, DistillConfig, RunConfig
 from trainer.training.retries import ComponentDown, Edge, checked, describe
 
+# Below any logprob a model gives (a float32 softmax floors near -1e2; a vocabulary of 10^6 with one dominant logit
+# of +1e3 gives about -2e3): a value under it is a broken or hostile answer, not a probability.
+LOWEST_LOGPROB = -1e4
+MAX_ANSWER_BYTES = 256 * 2**20  # a teacher answer is a few hundred bytes per token: far below this
 API_KEY_ENV = "DISTILL_TEACHER_API_KEY"  # the teacher server's token when distill.teacher_api_key is not set
 # A few strings whose ids must come out the same from both tokenizers (pre-flight): words, digits, whitespace,
 # punctuation and non-ASCII text, where tokenizers of different families part ways.
@@ -105,7 +110,33 @@ def target_logprobs(example: TrainingExample, choice: Mapping[str, Any], where: 
                 f"{where}: position {t + 1} answered {value}, not a logprob; the server was started with "
                 "--logprobs-mode raw_logits or processed_logits: start it with the default (raw_logprobs)"
             )
+        if value < LOWEST_LOGPROB:
+            # -inf or -1e30 would make the teacher's KL term infinite or NaN: a broken or hostile server.
+            raise TeacherServerError(
+                f"{where}: position {t + 1} answered {value} for token {seq[t + 1]}, below any logprob a model "
+                f"gives ({LOWEST_LOGPROB:g}); is distill.teacher a vLLM server of a model with this vocabulary?"
+            )
         out.append(value)
+    return out
+
+
+def answer_choices(answer: Any, count: int, where: str) -> list[tuple[int, Mapping[str, Any]]]:
+    """(prompt index, choice) for each of the `count` choices an answer must hold, or a TeacherServerError naming
+    what is wrong with its shape."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or len(choices) != count:
+        got = (
+            f"{len(choices)} choices"
+            if isinstance(choices, list)
+            else f"no choices list ({str(answer)[:80]!r})"
+        )
+        raise TeacherServerError(f"{where}: {got} for {count} prompts")
+    out = []
+    for choice in choices:
+        index = choice.get("index") if isinstance(choice, dict) else None
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
+            raise TeacherServerError(f"{where}: a choice with index {index!r}, not one of 0..{count - 1}")
+        out.append((index, choice))
     return out
 
 
@@ -158,6 +189,7 @@ class UrlTeacher:
         self.root = server_root(url)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.root, timeout=timeout_s, headers=headers, transport=transport)
+        self.timeout_s = timeout_s
         self.edge = Edge("distillation teacher", url, "the teacher server's own log", retry_budget_s)
         self.batch_tokens = batch_tokens
         self.model = model if model is not None else self.resolve_model(None)
@@ -166,8 +198,32 @@ class UrlTeacher:
         self._http.close()
 
     def _call(self, method: str, path: str, what: str, body: dict[str, Any] | None = None) -> Any:
-        response = self.edge.call(lambda: checked(self._http.request(method, path, json=body)), what)
-        return response.json()
+        response = self.edge.call(lambda: checked(self._bounded(method, path, what, body)), what)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise TeacherServerError(f"{self.url}, {what}: the answer is not JSON ({exc})") from exc
+
+    def _bounded(self, method: str, path: str, what: str, body: dict[str, Any] | None) -> httpx.Response:
+        """One attempt, read within timeout_s in all (httpx's timeout bounds each read, so a server that trickles
+        a byte at a time could hold it forever) and MAX_ANSWER_BYTES in size."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._http.stream(method, path, json=body) as streamed:
+            chunks, size = [], 0
+            for chunk in streamed.iter_bytes():
+                size += len(chunk)
+                if size > MAX_ANSWER_BYTES:
+                    raise TeacherServerError(
+                        f"{self.url}, {what}: the answer passed {MAX_ANSWER_BYTES} bytes; not a teacher's answer"
+                    )
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout(
+                        f"{self.url}, {what}: no whole answer within distill.teacher_timeout_s={self.timeout_s:g}s"
+                    )
+                chunks.append(chunk)
+        return httpx.Response(
+            streamed.status_code, headers=streamed.headers, content=b"".join(chunks), request=streamed.request
+        )
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> UrlTeacher:
@@ -210,12 +266,16 @@ class UrlTeacher:
         for plan in plan_micro_batches([len(e) + 1 for e in examples], self.batch_tokens):
             what = f"scoring {len(plan)} sequences ({sum(len(examples[i]) + 1 for i in plan)} tokens)"
             body = completion_request(self.model, [full_sequence(examples[i]) for i in plan])
-            choices = self._call("POST", "/v1/completions", what, body)["choices"]
-            if len(choices) != len(plan):
-                raise TeacherServerError(f"{self.url}: {len(choices)} choices for {len(plan)} prompts")
-            for choice in choices:
-                i = plan[int(choice["index"])]  # choices are numbered in prompt order (n = 1)
-                out[i] = target_logprobs(examples[i], choice, f"{self.url}, sequence {i}")
+            answer = self._call("POST", "/v1/completions", what, body)
+            for index, choice in answer_choices(answer, len(plan), self.url):
+                i = plan[index]  # choices are numbered in prompt order (n = 1)
+                where = f"{self.url}, sequence {i}"
+                try:
+                    out[i] = target_logprobs(examples[i], choice, where)
+                except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+                    raise TeacherServerError(
+                        f"{where}: the answer's prompt_logprobs are malformed ({exc!r})"
+                    ) from exc
         return out
 
 

@@ -204,7 +204,9 @@ def test_an_answer_that_is_not_json_or_lacks_choices_is_named():
     ):
         server = FakeServer()
 
-        def reply(request: httpx.Request, answer: bytes = answer) -> httpx.Response:
+        def reply(
+            request: httpx.Request, answer: bytes = answer, server: FakeServer = server
+        ) -> httpx.Response:
             if request.url.path == "/v1/completions":
                 return httpx.Response(200, content=answer)
             return server(request)
@@ -236,7 +238,7 @@ def test_a_trickling_or_endless_answer_is_cut_at_the_deadline_or_the_size_bound(
 
     t = UrlTeacher(URL, transport=httpx.MockTransport(reply), timeout_s=0.5, retry_budget_s=1.0)
     started = time.monotonic()
-    with pytest.raises(Exception, match="teacher_timeout_s=0.5|distillation teacher"):
+    with pytest.raises(Exception, match=r"teacher_timeout_s=0\.5|distillation teacher"):
         t.teacher_logprobs(EXAMPLES)
     assert time.monotonic() - started < 5
     monkeypatch.setattr(teacher_http, "MAX_ANSWER_BYTES", 1000)

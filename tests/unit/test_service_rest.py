@@ -228,6 +228,9 @@ def test_bad_input_is_a_user_error_naming_the_field(service_client, rest):
         tc.save_weights_for_sampler("never", ttl_seconds=-5).result()
     with pytest.raises(tinker.RequestFailedError, match=r"create_model\.user_metadata values"):
         service_client.create_lora_training_client(base_model="tiny", rank=4, user_metadata={"n": 1}).result()
+    with pytest.raises(tinker.RequestFailedError, match=r"create_model\.user_metadata has 1 entries"):
+        big = {"blob": "x" * 20000}  # every listing carries it: labels, not data
+        service_client.create_lora_training_client(base_model="tiny", rank=4, user_metadata=big).result()
     assert listed(rest, tc.model_id) == {}  # nothing saved by the refused calls
     with pytest.raises(tinker.BadRequestError, match="'limit'"):
         rest.list_training_runs(limit=-1).result()

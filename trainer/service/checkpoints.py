@@ -66,6 +66,10 @@ class SaveOptions:
     user_metadata: dict[str, str] | None = None
 
 
+MAX_METADATA_ENTRIES = 64  # user_metadata of a run or checkpoint: labels, not data
+MAX_METADATA_CHARS = 16384
+
+
 def parse_user_metadata(value: Any, where: str) -> dict[str, str] | None:
     if value is None:
         return None
@@ -74,7 +78,14 @@ def parse_user_metadata(value: Any, where: str) -> dict[str, str] | None:
     bad = {k: v for k, v in value.items() if not isinstance(v, str)}
     if bad:
         raise UserError(
-            f"{where}.user_metadata values must be strings (the SDK reads them as str), got {bad!r}"
+            f"{where}.user_metadata values must be strings (the SDK reads them as str), got {str(bad)[:200]!r}"
+        )
+    size = sum(len(k) + len(v) for k, v in value.items())
+    if len(value) > MAX_METADATA_ENTRIES or size > MAX_METADATA_CHARS:
+        # Every listing of runs carries it: 48 MB of it made each listing ~1 s of the event loop and 96 MB long.
+        raise UserError(
+            f"{where}.user_metadata has {len(value)} entries of {size} characters; at most "
+            f"{MAX_METADATA_ENTRIES} entries and {MAX_METADATA_CHARS} characters in all"
         )
     return dict(value)
 

@@ -5,6 +5,7 @@ and tinker paths that try to leave the service's folder."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -150,6 +151,34 @@ def test_delete_by_tinker_path_and_by_id_removes_the_folders(service_client, res
         rest.delete_checkpoint_from_tinker_path(state).result()
     with pytest.raises(tinker.RequestFailedError, match="no saved state"):
         service_client.create_training_client_from_state(state).result()
+
+
+def test_a_delete_cut_short_leaves_no_half_checkpoint_that_lists_or_loads(
+    service_client, rest, out, monkeypatch
+):
+    """The folder leaves the listing in one rename before its files go: a delete killed half way used to leave a
+    checkpoint that still listed and then failed load_state with a server error."""
+    import shutil
+
+    from trainer.service import checkpoints
+
+    tc = training_client(service_client)
+    state = tc.save_state("cut-short").result().path
+    real = shutil.rmtree
+
+    def killed_half_way(path: Any, *args: Any, **kwargs: Any) -> None:
+        first = next(p for p in Path(path).iterdir() if p.is_file())
+        first.unlink()  # some files gone, then the process "dies"
+        raise OSError("killed")
+
+    monkeypatch.setattr(checkpoints.shutil, "rmtree", killed_half_way)
+    with contextlib.suppress(Exception):
+        rest.delete_checkpoint_from_tinker_path(state).result()
+    monkeypatch.setattr(checkpoints.shutil, "rmtree", real)
+    assert "weights/cut-short" not in listed(rest, tc.model_id)
+    with pytest.raises(tinker.RequestFailedError, match="no saved state") as failed:
+        service_client.create_training_client_from_state(state).result()
+    assert failed.value.category == tinker.types.RequestErrorCategory.User
 
 
 @dataclass

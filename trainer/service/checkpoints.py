@@ -352,8 +352,12 @@ async def delete_checkpoint(service: Service, run_id: str, checkpoint_id: str) -
     folder = service.catalog.checkpoint_folder(run_id, checkpoint_id)
     if checkpoint_id.startswith("sampler_weights/"):
         await release_sampler_folder(service, folder, f"{SCHEME}{run_id}/{checkpoint_id}")
-    await asyncio.to_thread(shutil.rmtree, folder)
+    # Out of sight first, in one rename: a delete cut short (a kill, a full disk) leaves a hidden folder that no
+    # listing shows and no load reads, never a half checkpoint that still lists.
+    doomed = folder.with_name(f".deleting-{folder.name}-{os.getpid()}")
+    await asyncio.to_thread(os.rename, folder, doomed)
     service.catalog.forget(run_id, checkpoint_id)
+    await asyncio.to_thread(shutil.rmtree, doomed, True)
     log.info("deleted checkpoint %s%s/%s", SCHEME, run_id, checkpoint_id)
 
 

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from inference.wire import Sample
 from tests.helpers import make_cfg, serve_app
 from tests.unit.test_losses import REDUCTIONS, make_inputs, run_loss
-from trainer.service.sampling import StabilityRecords, decode_sample, sequence_ids
+from trainer.service.sampling import RECORD_OVERHEAD_BYTES, StabilityRecords, decode_sample, sequence_ids
 from trainer.service.wire import UserError, decode_forward_backward
 from trainer.training.losses import DEFAULT_KL_COEFF, LossParams
 
@@ -159,7 +159,8 @@ class Clock:
 
 def test_records_live_a_day_after_their_last_use_and_stay_bounded():
     clock = Clock()
-    store = StabilityRecords(ttl_s=100.0, max_tokens=40, clock=clock)
+    per_record = RECORD_OVERHEAD_BYTES + 3 * 4 * 3  # prompt, tokens and logprobs of 3 each, 4 bytes apiece
+    store = StabilityRecords(ttl_s=100.0, max_bytes=6 * per_record, clock=clock)
     a, b = sequence_ids("sess-1:sample:0", 5, 2)
     assert (a, b) == ("sess-1:sample:0:5:0", "sess-1:sample:0:5:1")
     store.record([a, b], [1, 2, 3], samples(2))
@@ -172,7 +173,7 @@ def test_records_live_a_day_after_their_last_use_and_stay_bounded():
     assert store.get(b) is None and store.get(a) is not None
     clock.now = 260.0
     assert store.get(a) is None and len(store) == 0
-    # 6 tokens a sequence (prompt + sampled) against a bound of 40: the least recently used go first
+    # Six records' bytes as the bound: the least recently used go first
     ids = sequence_ids("sess-1:sample:0", 6, 8)
     store.record(ids, [1, 2, 3], samples(8))
     assert len(store) == 6 and store.get(ids[0]) is None and store.get(ids[7]) is not None
@@ -183,6 +184,11 @@ def test_records_live_a_day_after_their_last_use_and_stay_bounded():
     assert len(store) == 1
     with pytest.raises(RuntimeError, match="2 sequence ids for 1 samples"):
         store.record(ids[:2], [1], samples(1))
+    # Tiny records are bounded by what they hold in memory, not by their few tokens.
+    tiny = StabilityRecords(max_bytes=100 * (RECORD_OVERHEAD_BYTES + 12))
+    for i in range(1000):
+        tiny.record(sequence_ids("sess-3:sample:0", i, 1), [1], samples(1, length=1))
+    assert len(tiny) == 100
 
 
 # --- provenance in the training request ----------------------------------------------------------------------------

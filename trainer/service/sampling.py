@@ -40,7 +40,12 @@ _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 # Tinker keeps a recorded sequence trainable for one day after its last use (sampling, or a training request that
 # names it); the token bound keeps a long run's records from growing without limit (least recently used go first).
 RECORD_TTL_S = 86400.0
-MAX_RECORDED_TOKENS = 32_000_000  # prompt + sampled tokens, about 300 MB of int32 ids and float32 logprobs
+MAX_RECORDED_BYTES = (
+    512 * 2**20
+)  # what stable_reinforce's records may hold in memory, their Python objects counted
+# A record's Python objects (its key, the record, three array headers, the dict entry) beyond its arrays: 661 bytes
+# a one-token record in all (tracemalloc, 20,000 records); a bound in tokens alone let such records take ~20x it.
+RECORD_OVERHEAD_BYTES = 700
 
 
 @dataclass(frozen=True)
@@ -190,10 +195,10 @@ class StabilityRecords:
     decoding of training requests both run there): no lock."""
 
     ttl_s: float = RECORD_TTL_S
-    max_tokens: int = MAX_RECORDED_TOKENS
+    max_bytes: int = MAX_RECORDED_BYTES
     clock: Callable[[], float] = time.monotonic
     _records: OrderedDict[str, tuple[SequenceRecord, float]] = field(default_factory=OrderedDict)
-    _tokens: int = 0
+    _bytes: int = 0
 
     def __len__(self) -> int:
         return len(self._records)
@@ -213,7 +218,7 @@ class StabilityRecords:
                 shared, np.asarray(s.token_ids, np.int32), np.asarray(s.logprobs, np.float32)
             )
             self._records[sequence_id] = (entry, now)
-            self._tokens += _size(entry)
+            self._bytes += _size(entry)
         self._expire(now)
 
     def get(self, sequence_id: str) -> SequenceRecord | None:
@@ -235,19 +240,21 @@ class StabilityRecords:
     def _drop(self, sequence_id: str) -> None:
         old = self._records.pop(sequence_id, None)
         if old is not None:
-            self._tokens -= _size(old[0])
+            self._bytes -= _size(old[0])
 
     def _expire(self, now: float) -> None:
         # Least recently used first, so the oldest use is always at the front.
         while self._records:
             sequence_id, (_, used) = next(iter(self._records.items()))
-            if now - used <= self.ttl_s and self._tokens <= self.max_tokens:
+            if now - used <= self.ttl_s and self._bytes <= self.max_bytes:
                 return
             self._drop(sequence_id)
 
 
 def _size(entry: SequenceRecord) -> int:
-    return len(entry.prompt) + len(entry.tokens)
+    """Bytes a record holds: its arrays (the prompt's counted with each of its request's sequences, which share it:
+    the safe side) and its objects."""
+    return RECORD_OVERHEAD_BYTES + entry.prompt.nbytes + entry.tokens.nbytes + entry.logprobs.nbytes
 
 
 def _topk(rows: list[list[tuple[int, float]] | None], k: int) -> pb.TopkLogprobs:

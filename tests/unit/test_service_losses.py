@@ -119,11 +119,6 @@ def test_gspo_decodes_its_sequence_ratio_mask_and_clip_config():
             r"'target_tokens'\]: shape \[5, 3\] \(K targets per position\) applies to loss_fn 'cross_entropy' only",
         ),
         (
-            [rl_datum()],
-            "gspo",
-            r"data\[0\]: loss_fn 'gspo' needs loss_fn_inputs\['sequence_ratio_mask'\] \(5 values",
-        ),
-        (
             [rl_datum(sequence_ratio_mask=[1.0] * 4)],
             "gspo",
             r"\['sequence_ratio_mask'\]: shape \[4\], but model_input has 5 tokens",
@@ -271,9 +266,21 @@ def test_sdk_gspo_matches_the_float64_reference(training_client):
         lp, lq, adv, torch.ones_like(lp), torch.tensor(masks), LossParams("gspo", 0.9, 1.1), "sum"
     )
     assert out.metrics["loss:sum"] == pytest.approx(ref, rel=1e-5)
-    with pytest.raises(tinker.RequestFailedError, match=r"needs loss_fn_inputs\['sequence_ratio_mask'\]"):
-        inputs = {k: v for k, v in datums[1].loss_fn_inputs.items() if k != "sequence_ratio_mask"}
-        bare = types.Datum(model_input=datums[1].model_input, loss_fn_inputs=inputs)
-        tc.forward_backward([datums[0], bare], "gspo").result()
-    # The refused call took its place in line: the client goes on.
+    # Without sequence_ratio_mask (tinker-cookbook's RL loop sends none): the positions with a sampler logprob or
+    # an advantage, here the sampled tokens 2-5, as if that mask had been sent.
+    cookbook_sampler = [0.0, 0.0, -1.0, -4.0, -2.5, -3.0]
+    bare, explicit = (
+        types.Datum(
+            model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+            loss_fn_inputs={
+                "target_tokens": TOKENS[1:],
+                "logprobs": cookbook_sampler,
+                "advantages": [0.0, 0.0] + [1.0] * (n - 2),
+                **extra,
+            },
+        )
+        for extra in ({}, {"sequence_ratio_mask": [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]})
+    )
+    got = tc.forward([bare], "gspo", config).result().metrics["loss:sum"]
+    assert got == pytest.approx(tc.forward([explicit], "gspo", config).result().metrics["loss:sum"], rel=1e-6)
     assert np.isfinite(tc.forward_backward(datums, "gspo").result().metrics["loss:sum"])

@@ -370,11 +370,10 @@ def to_example(
         raise UserError(
             f"data[{index}]: loss_fn {loss.name!r} needs loss_fn_inputs['logprobs'] (the sampler's)"
         )
-    if loss.name == "gspo" and sequence_mask is None:
-        raise UserError(
-            f"data[{index}]: loss_fn 'gspo' needs loss_fn_inputs['sequence_ratio_mask'] ({n} values, one per "
-            "model_input token: nonzero where the token's log-ratio counts in its sequence's ratio)"
-        )
+    if loss.name == "gspo" and sequence_mask is None and sampler is not None and advantages is not None:
+        # tinker-cookbook's RL loop sends none and hosted Tinker takes that: the sequence's sampled tokens are the
+        # positions with a sampler logprob or an advantage (a prompt position has neither).
+        sequence_mask = ((sampler != 0) | (advantages != 0)).astype(np.float32)
     for key, given in (
         ("weights", weights),
         ("logprobs", sampler),

@@ -181,6 +181,18 @@ def test_a_delete_cut_short_leaves_no_half_checkpoint_that_lists_or_loads(
     assert failed.value.category == tinker.types.RequestErrorCategory.User
 
 
+def test_a_client_whose_state_fails_to_load_holds_no_slot(service_client, out):
+    tc = training_client(service_client)
+    state = tc.save_state("to-break").result().path
+    folder = run_folder(out, tc.model_id) / "weights" / "to-break"
+    (folder / "adapter.safetensors").write_bytes(b"not safetensors")
+    before = len(SERVICE[0].models)
+    for _ in range(3):
+        with pytest.raises(tinker.RequestFailedError):
+            service_client.create_training_client_from_state(state).result()
+    assert len(SERVICE[0].models) == before  # each failed load gave its client's place back
+
+
 @dataclass
 class StandInGateway:
     """What the service asks of its gateway when sampler weights go: is the adapter being sampled, and unload it."""

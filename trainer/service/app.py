@@ -423,13 +423,19 @@ class Service:
 
     def load_state(self, model_id: str, path: str, optimizer: bool, user_metadata: Any = None) -> Result:
         folder = self.resolve(path)
-        if model_id not in self.models:  # create_training_client_from_state: a new client from the state
+        created = model_id not in self.models
+        if created:  # create_training_client_from_state: a new client from the state
             spec = {**self.policies.read_spec(folder).__dict__}
             self.create_model(model_id, self.cfg.model.path, spec, user_metadata)
         try:
             self.policies.load_state(self.models[model_id], folder, optimizer)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+        except Exception as exc:
+            if created:  # a client that never got its state holds no max_clients slot
+                self.policies.release(self.models.pop(model_id))
+                self.order.pop(model_id, None)
+            if isinstance(exc, ValueError | OSError):  # OSError: the folder went between resolve and the read
+                raise UserError(f"loading {path}: {exc}") from None
+            raise
         self.record(model_id, {"call": "load_state", "path": path, "optimizer": optimizer})
         return Result({"path": path, "model_id": model_id})
 

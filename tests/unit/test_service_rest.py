@@ -193,6 +193,23 @@ def test_a_client_whose_state_fails_to_load_holds_no_slot(service_client, out):
     assert len(SERVICE[0].models) == before  # each failed load gave its client's place back
 
 
+def test_a_client_under_a_session_never_opened_is_refused(url):
+    """Client-chosen session ids made clients no reaper would free (7 of them filled max_clients until a restart)."""
+    import httpx
+
+    headers = {"X-API-Key": KEY}
+    body = {
+        "session_id": "sess-never-opened",
+        "model_seq_id": 0,
+        "base_model": "tiny",
+        "lora_config": {"rank": 4},
+    }
+    future = httpx.post(f"{url}/api/v1/create_model", json=body, headers=headers).json()
+    answer = httpx.post(f"{url}/api/v1/retrieve_future", json=future, headers=headers, timeout=60).json()
+    assert "no open session 'sess-never-opened'" in str(answer), answer
+    assert "model_id" not in answer
+
+
 @dataclass
 class StandInGateway:
     """What the service asks of its gateway when sampler weights go: is the adapter being sampled, and unload it."""

@@ -307,6 +307,13 @@ class Service:
             raise UserError(f"this service trains {self.cfg.model.path!r}, not {base_model!r}")
         if model_id in self.models:
             return Result({"model_id": model_id})  # a retried create
+        session = model_id.partition(":train:")[0]
+        if session not in self.beats:
+            # A client under a session this service never opened (or has ended) is one no reaper would free.
+            raise UserError(
+                f"create_model: no open session {session!r} on this service; open one with create_session (the "
+                "SDK's ServiceClient does) and keep it alive with its heartbeats"
+            )
         metadata = parse_user_metadata(user_metadata, "create_model")
         if len(self.models) >= self.cfg.service.max_clients:
             raise UserError(

@@ -101,6 +101,12 @@ def test_identical_sequences_are_served_entirely_by_the_prefix():
     assert layout.computed_tokens == 5 and all(r == [0, 1, 2, 3, 4] for r in layout.rows)
 
 
+def test_a_chain_of_ever_longer_shared_prefixes_is_planned_without_deep_recursion():
+    seqs = [list(range(1, 20 + k)) + [9999] for k in range(3000)]  # each extends the one before
+    plans = plan_packed_micro_batches(seqs, 100_000, min_prefix=4)
+    assert sorted(i for p in plans for t in p for i in t.members) == list(range(3000))
+
+
 def test_no_sequences_plan_no_micro_batch():
     # A data-parallel rank with fewer examples than ranks plans nothing (and trains a zero-weight placeholder).
     assert find_trees([], min_prefix=16) == [] and plan_packed_micro_batches([], 256, 16) == []

@@ -66,20 +66,30 @@ def find_trees(sequences: Sequence[Sequence[int]], min_prefix: int) -> list[Tree
     return _best_trees(order, lcps, lengths, min_prefix)[1]
 
 
+MAX_SPLIT_DEPTH = (
+    64  # nested shared prefixes followed this deep; deeper, a run is one tree or single sequences
+)
+
+
 def _best_trees(
-    run: list[int], lcps: list[int], lengths: Sequence[int], min_prefix: int
+    run: list[int], lcps: list[int], lengths: Sequence[int], min_prefix: int, depth: int = 0
 ) -> tuple[int, list[Tree]]:
     """(tokens computed, trees) for a run of sequences in sorted order; lcps[j] is between run[j] and run[j+1]."""
     if len(run) == 1 or min_prefix <= 0:
         return sum(lengths[i] for i in run), [Tree((i,), 0) for i in run]
     shared = min(lcps)
+    if depth >= MAX_SPLIT_DEPTH:  # a chain of ever longer shared prefixes: bounded, not a RecursionError
+        if shared >= min_prefix:
+            whole = Tree(tuple(run), shared)
+            return whole.cost(lengths), [whole]
+        return sum(lengths[i] for i in run), [Tree((i,), 0) for i in run]
     pieces: list[tuple[int, list[Tree]]] = []
     start = 0
     for j, lcp in enumerate(lcps):
         if lcp == shared:
-            pieces.append(_best_trees(run[start : j + 1], lcps[start:j], lengths, min_prefix))
+            pieces.append(_best_trees(run[start : j + 1], lcps[start:j], lengths, min_prefix, depth + 1))
             start = j + 1
-    pieces.append(_best_trees(run[start:], lcps[start:], lengths, min_prefix))
+    pieces.append(_best_trees(run[start:], lcps[start:], lengths, min_prefix, depth + 1))
     split_cost = sum(cost for cost, _ in pieces)
     if shared >= min_prefix:
         whole = Tree(tuple(run), shared)

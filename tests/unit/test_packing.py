@@ -102,7 +102,7 @@ def test_identical_sequences_are_served_entirely_by_the_prefix():
 
 
 def test_a_chain_of_ever_longer_shared_prefixes_is_planned_without_deep_recursion():
-    seqs = [list(range(1, 20 + k)) + [9999] for k in range(3000)]  # each extends the one before
+    seqs = [[*range(1, 20 + k), 9999] for k in range(3000)]  # each extends the one before
     plans = plan_packed_micro_batches(seqs, 100_000, min_prefix=4)
     assert sorted(i for p in plans for t in p for i in t.members) == list(range(3000))
 

@@ -4,6 +4,7 @@ Origin, JSON) are served as before."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from unittest.mock import MagicMock
 
@@ -60,7 +61,7 @@ async def test_a_page_cannot_publish_gate_or_read_the_gateway(tmp_path: Path):
         # The issue's reproduction: a cross-origin text/plain publish of any folder.
         r = await client.post(
             "/policy/publish",
-            content=httpx.Request("POST", "/", json=publish_body(1, adapter)).content,
+            content=json.dumps(publish_body(1, adapter)).encode(),
             headers={"origin": "http://evil.example", "content-type": "text/plain"},
         )
         assert r.status_code == 403 and r.json()["error"]["type"] == "from_web_page", r.text

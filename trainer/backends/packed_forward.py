@@ -7,7 +7,7 @@ The attention is registered with transformers' AttentionInterface under its own 
 queries, its context's and its own keys/values into padded batches of similar size (`packing.bucket_segments`),
 runs scaled-dot-product attention on them with an exact mask, and scatters the outputs back to the packed row. Any
 other call (generation, the publish probe, a padded teacher batch) goes to the model's own implementation with its
-own mask, unchanged. Exact on every device: the only approximation-free kernels used are torch's SDPA ones.
+own mask, unchanged. Exact on every device: torch's SDPA with a full mask, no approximate kernel.
 """
 
 from __future__ import annotations

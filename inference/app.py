@@ -27,6 +27,7 @@ from inference.config import GatewayConfig
 from inference.errors import BackendError, Reason, default_reason
 from inference.http.accounting import LogLimiter, RequestAccounting, RequestStats
 from inference.http.bodies import check_backend_up, generate_answer, read_generate, read_openai, scores_prompt
+from inference.http.engine import engine_routes, require_lease
 from inference.http.evalroutes import eval_routes
 from inference.http.guard import BodyGuard, in_body_thread
 from inference.http.intake import (
@@ -44,6 +45,7 @@ from inference.http.named import NamedAdapters, named_routes
 from inference.http.tokenin import tokenin_routes
 from inference.http.tokens import token_routes
 from inference.policy.gate import Gate
+from inference.policy.lease import LeaseBook
 from inference.policy.probe_check import ProbeCheck, calibrated_tolerance, compare_probe, separation
 from inference.policy.registry import Policy, PolicyRegistry, Recorded, VersionLedger
 from inference.samplers.lanes import SoloLane, scoring_runs_alone
@@ -129,6 +131,8 @@ class Gateway:
         # The base model's mean |vLLM - trainer| on a probe's prompts, measured once per gateway (before any
         # adapter has used a LoRA slot): the noise floor of the `mean` verification statistic.
         self.base_noise: dict[tuple[tuple[int, ...], ...], float] = {}
+        # A shared engine's lease (inference/http/engine.py): None for a run's own gateway.
+        self.leases = LeaseBook(cfg.lease_ttl_s) if cfg.engine else None
 
     def note_moved_stop_ids(self, route: str, ids: list[int]) -> None:
         """Say (at most once a minute per route) that integer stop entries became stop_token_ids: a rewrite of
@@ -464,6 +468,7 @@ def create_app(
     app.include_router(eval_routes(gw))
     app.include_router(tokenin_routes(gw))
     app.include_router(token_routes(gw))
+    app.include_router(engine_routes(gw))
     return app
 
 
@@ -604,6 +609,7 @@ def policy_routes(gw: Gateway) -> APIRouter:
     async def publish(request: Request) -> PublishResponse:
         if not gw.authorized(request):  # before the body is read: strangers learn nothing from a parse error
             raise BackendError(401, "publishing needs 'Authorization: Bearer <inference.publish_token>'")
+        require_lease(gw, request, "publishing")
         try:
             req = PublishRequest.model_validate(await json_object(request))
         except ValidationError as exc:
@@ -616,6 +622,7 @@ def policy_routes(gw: Gateway) -> APIRouter:
             raise BackendError(
                 401, "closing the gate needs 'Authorization: Bearer <inference.publish_token>'"
             )
+        require_lease(gw, request, "closing the gate")
         try:
             req = ExpectRequest.model_validate(await json_object(request))
         except ValidationError as exc:
@@ -633,6 +640,7 @@ def policy_routes(gw: Gateway) -> APIRouter:
     async def refill(request: Request) -> RefillResponse:
         if not gw.authorized(request):
             raise BackendError(401, "refilling needs 'Authorization: Bearer <inference.publish_token>'")
+        require_lease(gw, request, "refilling")
         try:
             req = RefillRequest.model_validate(await json_object(request))
         except ValidationError as exc:

@@ -154,6 +154,14 @@ class GatewayConfig(BaseModel):
         description="largest |value| in an adapter tensor; beyond it the adapter is refused (trained "
         "LoRA weights stay orders of magnitude below; 1e30 overflows fp32 products and poisons serving)",
     )
+    engine: bool = Field(
+        False,
+        description="a shared engine (launch.sh engine): runs attach to it one at a time through a lease "
+        "(POST /engine/attach), and publishing or gating needs the current lease",
+    )
+    lease_ttl_s: float = Field(
+        30.0, gt=0, description="an engine's lease lapses this long after the run's last renewal (a dead run)"
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
     @model_validator(mode="after")

@@ -20,6 +20,10 @@ Reason = Literal[
     "verification_failed",  # a publish whose adapter, once loaded, did not give the trainer's probe logprobs
     "from_web_page",  # a write a web page could send (another site's Origin, a form type) or a non-loopback Host
     "quarantined",  # a request vLLM died on twice: never sent to it again (inference/samplers/quarantine.py)
+    "no_lease",  # on a shared engine: the caller does not hold the lease (inference/http/engine.py)
+    "lease_held",  # on a shared engine: another run holds the lease
+    "model_mismatch",  # on a shared engine: the run's model or tokenizer is not the engine's
+    "engine_too_small",  # on a shared engine: the run needs more versions kept than the engine keeps
     "internal_error",  # an exception the gateway did not expect (a bug)
 ]
 

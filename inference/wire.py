@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from rlcommon.model_identity import ModelIdentity
+
 # Every integer that reaches vLLM or an array is bounded here; every float is finite.
 MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; the gateway also checks against the served vocab
 TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -453,3 +455,49 @@ class NamedSampleResponse(BaseModel):
 
     adapter: str | None
     samples: list[Sample]
+
+
+# --- a shared engine (launch.sh engine): runs attach one at a time through a lease --------------------------------
+
+LEASE_HEADER = (
+    "X-Engine-Lease"  # on publish, expect and refill: the run's lease id, when the gateway is an engine
+)
+
+
+class AttachRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    holder: str = Field(min_length=8, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    who: str = Field(max_length=512)  # for people: the run folder, the launcher's host and PID
+    model: ModelIdentity  # the run's model folder: the engine refuses another
+    max_staleness: int = Field(ge=0)  # the run's: the engine must keep that many versions loaded
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    holder: str = Field(min_length=8, max_length=128)
+
+
+class LeaseStatus(BaseModel):
+    who: str
+    held_s: float
+    expires_in_s: float
+
+
+class EngineStatus(BaseModel):
+    instance: str  # as PolicyStatus's: another value means the gateway restarted (and forgot its lease)
+    model: ModelIdentity
+    keep_versions: int
+    named_slots: int
+    vllm_dtype: str
+    lease_ttl_s: float
+    runs: int  # runs attached since the gateway started
+    lapsed: int  # leases that ran out without a release
+    lease: LeaseStatus | None = None  # who holds it: for the publish token's holders only
+
+
+class AttachResponse(BaseModel):
+    engine: EngineStatus
+    new_run: bool  # the engine started from a clean policy state (False: this holder held it already)
+    unloaded: list[str] = Field(default_factory=list)  # the previous run's adapters, unloaded

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,48 @@ def shared_gateway(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen[byt
         proc,
     ):
         yield url, proc, log_dir
+
+
+@dataclass(frozen=True)
+class SharedEngine:
+    url: str
+    proc: subprocess.Popen[bytes]
+    folder: Path
+    log: Path
+
+
+ENGINE_LEASE_TTL_S = 10  # a killed run's lease lapses within this; renewals come every 3 s
+
+
+@pytest.fixture(scope="session")
+def shared_engine(tmp_path_factory) -> Iterator[SharedEngine]:
+    """One `launch.sh engine` (the toy recipe's model, 2 versions kept) for every run that attaches instead of
+    starting its own gateway and vLLM (inference.engine_url). Runs attach one at a time: a test that starts one
+    waits for the lease with --wait or ends its run first."""
+    from tests.helpers import ROOT, stop_process
+    from trainer.training.polling import wait_until
+
+    folder = tmp_path_factory.mktemp("shared-engine")
+    log = folder / "engine.out"
+    argv = [
+        "bash",
+        str(ROOT / "launch.sh"),
+        "engine",
+        f"trainer.output_dir={folder}",
+        "inference.keep_versions=2",
+        f"inference.lease_ttl_s={ENGINE_LEASE_TTL_S}",
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+
+    def ready() -> str:
+        if proc.poll() is not None:
+            raise RuntimeError(f"launch.sh engine exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        text = log.read_text()
+        return text.split("engine ready: ", 1)[1].split()[0] if "engine ready: " in text else ""
+
+    try:
+        url = wait_until(ready, 300, "launch.sh engine ready", 0.5)
+        yield SharedEngine(url, proc, folder, log)
+    finally:
+        stop_process(proc, 60)

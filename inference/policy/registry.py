@@ -28,10 +28,12 @@ class Policy:
     generation: int = 0  # the registry's rollback count when it was published
 
 
-def lora_name(version: int, generation: int = 0) -> str:
+def lora_name(version: int, generation: int = 0, run: int = 0) -> str:
     # A new name per version: reloading one name in place reuses prefix-cache blocks of the old weights. After a
-    # rollback the same version number names another adapter, so later generations add their own suffix.
-    return f"policy-v{version}" if generation == 0 else f"policy-v{version}-g{generation}"
+    # rollback the same version number names another adapter, so later generations add their own suffix; on a
+    # shared engine each attached run after the first adds its own (inference/policy/lease.py).
+    name = f"policy-v{version}" if run == 0 else f"policy-r{run}-v{version}"
+    return name if generation == 0 else f"{name}-g{generation}"
 
 
 class Timeline:
@@ -80,6 +82,7 @@ class Recorded:
 class PolicyRegistry:
     def __init__(self, base_model_name: str, max_staleness: int):
         self.max_staleness = max_staleness
+        self.run = 0  # the attached run on a shared engine (0: the gateway's own run)
         self.timeline = Timeline()
         self._policies: dict[int, Policy] = {0: Policy(0, base_model_name, None)}  # the live timeline
         self._current = 0
@@ -125,7 +128,7 @@ class PolicyRegistry:
         if version == 0:
             raise ValueError("version 0 is the base model and takes no adapter")
         generation = self.generation + (1 if version <= self._current else 0)  # a rollback comes with it
-        return Policy(version, lora_name(version, generation), adapter_path, generation), True
+        return Policy(version, lora_name(version, generation, self.run), adapter_path, generation), True
 
     def make_current(self, policy: Policy) -> list[Policy]:
         """Make `policy` (from prepare()) current. Every live version above it, and a different policy at its
@@ -160,6 +163,18 @@ class PolicyRegistry:
                 f"version {policy.version} is not newer than the current version {self._current}"
             )
         self.make_current(policy)
+
+    def start_run(self, run: int) -> list[Policy]:
+        """A new run attached to a shared engine: back to the base model alone, on a fresh timeline, with LoRA
+        names of run `run`. Returns the adapters the sampler still holds, for it to unload."""
+        held = [p for p in self.held() if p.adapter_path is not None]
+        self.run = run
+        self.timeline = Timeline()
+        self._policies = {0: self.base}
+        self._current = 0
+        self._retracted = []
+        self._in_flight = Counter()
+        return held
 
     def removable(self) -> list[Policy]:
         """Loaded adapters no request is using that can go: those outside the staleness window, and those a
@@ -260,6 +275,13 @@ class VersionLedger:
         generation, version, length = found
         valid = self.timeline.valid(generation, version)
         return Recorded(length, version if valid else ABANDONED, generation)
+
+    def clear(self, timeline: Timeline) -> None:
+        """Forget every completion (a new run on a shared engine), and follow that run's `timeline`."""
+        self._entries.clear()
+        self._length_count.clear()
+        self._lengths = []
+        self.timeline = timeline
 
     def lookup(self, token_ids: list[int]) -> int | None:
         """The version that sampled this sequence; None if the ledger never saw it (an environment that

@@ -29,6 +29,7 @@ import yaml
 
 from rlcommon.hosts import LOOPBACK_HOSTS
 from rlcommon.redaction import redact, redact_override
+from trainer.orchestration.attach import ATTACH_KEYS, EngineLease, attach_run, write_attached
 from trainer.orchestration.commands import (
     PY,
     ROOT,
@@ -94,7 +95,7 @@ def gateway_section(cfg: RunConfig, model_path: str, address: dict[str, Any] | N
     filled in. cfg.inference itself stays as the user wrote it (but for vLLM's dtype, resolved for this machine), so
     a resumed run chooses its ports afresh."""
     resolve_sampler_dtype(cfg)
-    section = {**cfg.inference, **(address or {})}
+    section = {k: v for k, v in cfg.inference.items() if k not in ATTACH_KEYS} | (address or {})
     # Every version the trainer may still accept stays loaded: the gateway keeps the trainer's window unless told.
     section.setdefault("keep_versions", cfg.rollout.max_staleness)
     if cfg.eval.on:  # the adapter under evaluation is served by name beside the policy window
@@ -219,8 +220,12 @@ def place_on_slurm(cfg: RunConfig, job: SlurmJob, preview: bool = False) -> tupl
 
 def bind_locally(cfg: RunConfig) -> tuple[dict[str, int], dict[str, Any]]:
     """Outside SLURM: listening sockets for run-api and the gateway, inherited by them. Returns their fds by
-    component name and the gateway's address."""
+    component name and the gateway's address. A run attached to an engine (its gateway set already) binds
+    run-api's alone."""
     api = listen("127.0.0.1", cfg.launch.run_api_port)
+    if attached(cfg):
+        cfg.launch.run_api_url = f"http://127.0.0.1:{api.getsockname()[1]}"
+        return {"run-api": api.detach()}, {}
     host = cfg.inference.get("host", "127.0.0.1")
     gateway = listen(host, cfg.inference.get("port", 0))
     connect = "127.0.0.1" if host in ANY_HOST | LOOPBACK_HOSTS else host
@@ -228,6 +233,11 @@ def bind_locally(cfg: RunConfig) -> tuple[dict[str, int], dict[str, Any]]:
     cfg.launch.run_api_url = f"http://127.0.0.1:{api.getsockname()[1]}"
     cfg.launch.gateway_url = f"http://{connect}:{port}"
     return {"run-api": api.detach(), "gateway": gateway.detach()}, {"host": host, "port": port}
+
+
+def attached(cfg: RunConfig) -> bool:
+    """The run uses a shared engine's gateway and vLLM (inference.engine_url), not its own."""
+    return bool(cfg.inference.get("engine_url"))
 
 
 def redacted(data: Any) -> Any:
@@ -259,9 +269,17 @@ def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> int:
     print(f"# {describe_model(wanted, tokenizer_only=tinker)}")  # a dry run downloads nothing
     if cfg.distill.teacher is not None:
         print(f"# {describe_teacher(cfg)}")
-    print("# gateway.yaml (the gateway's own config, validated by it):")
-    gateway = redacted(gateway_section(cfg, cfg.model.path, address))
-    print("".join(f"#   {line}\n" for line in yaml.safe_dump(gateway, sort_keys=False).splitlines()), end="")
+    gateway = None
+    if attached(cfg):
+        print(
+            f"# attached to the engine at {cfg.inference['engine_url']}: its gateway and vLLM, none of the run's own"
+        )
+    else:
+        print("# gateway.yaml (the gateway's own config, validated by it):")
+        gateway = redacted(gateway_section(cfg, cfg.model.path, address))
+        print(
+            "".join(f"#   {line}\n" for line in yaml.safe_dump(gateway, sort_keys=False).splitlines()), end=""
+        )
     if job is None or placement is None:
         print("# commands (run-api and the gateway get listening sockets from the launcher):")
     else:
@@ -276,6 +294,8 @@ def print_dry_run(cfg: RunConfig, run_dir: Path, job: SlurmJob | None) -> int:
         )
         print("# commands (srun steps, run concurrently with --overlap):")
     for comp in build_components(cfg, run_dir, cfg.model.path, placement, job.job_id if job else 0):
+        if comp.name == "gateway" and gateway is None:
+            continue
         env = [f"{k}={shlex.quote(v)}" for k, v in comp.env.items()]  # W&B's identity of the process
         print(f"{comp.name}: {' '.join([*env, *(shlex.quote(a) for a in comp.argv)])}")
     if cfg.rollout.envs:
@@ -315,7 +335,8 @@ def check_memory(cfg: RunConfig, model_path: str) -> None:
     """Print the memory plan; refuse (before anything starts) a CUDA config that cannot fit its GPU."""
     from trainer.orchestration.preflight import plan_memory
 
-    gateway = gateway_section(cfg, model_path) if cfg.launch.backend == "local" else None
+    local = cfg.launch.backend == "local" and not attached(cfg)  # an engine's vLLM is planned by the engine
+    gateway = gateway_section(cfg, model_path) if local else None
     lines, problems = plan_memory(cfg, model_path, gateway, dry_run=False)
     print("\n".join(lines), flush=True)
     if problems:
@@ -356,9 +377,12 @@ def write_run_folder(cfg: RunConfig, run_dir: Path, model_path: str, job: SlurmJ
         )
     else:
         cfg.tinker.tokenizer = model_path
-    gateway = gateway_section(cfg, model_path, address)
     components = build_components(cfg, run_dir, model_path, placement, job.job_id if job else 0, fds)
-    write_private(run_dir / "gateway.yaml", yaml.safe_dump(gateway, sort_keys=False))
+    if attached(cfg):
+        components = [c for c in components if c.name != "gateway"]
+    else:
+        gateway = gateway_section(cfg, model_path, address)
+        write_private(run_dir / "gateway.yaml", yaml.safe_dump(gateway, sort_keys=False))
     write_private(run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return components
 
@@ -377,17 +401,22 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
     load its model while vLLM boots (trainer_starts_with_vllm), else last; the environments once the gateway is
     healthy (vLLM answered a real completion)."""
     assert cfg.launch.run_api_url is not None and cfg.launch.gateway_url is not None
-    api, gateway, *envs, trainer = components
+    api, trainer = components[0], components[-1]
+    gateway = next((c for c in components if c.name == "gateway"), None)  # None: attached to an engine
+    envs = [c for c in components[1:-1] if c is not gateway]
     api.start()
-    gateway.start()
+    if gateway is not None:
+        gateway.start()
     wait_http(f"{cfg.launch.run_api_url}/status", api, cfg.launch.health_timeout_s, "answering /status")
-    early = trainer_starts_with_vllm(cfg)
+    early = trainer_starts_with_vllm(cfg) or gateway is None
     if early:
         trainer.start()
-    print(
-        f"waiting for the gateway and vLLM (log: {gateway.log}, {run_dir / 'logs' / 'vllm.log'})", flush=True
-    )
-    wait_http(f"{cfg.launch.gateway_url}/health", gateway, cfg.launch.health_timeout_s, "healthy")
+    if gateway is not None:
+        print(
+            f"waiting for the gateway and vLLM (log: {gateway.log}, {run_dir / 'logs' / 'vllm.log'})",
+            flush=True,
+        )
+        wait_http(f"{cfg.launch.gateway_url}/health", gateway, cfg.launch.health_timeout_s, "healthy")
     for env in envs:
         env.start()
     time.sleep(1.0)  # an environment with a bad flag exits at once: say so before the trainer starts
@@ -403,7 +432,14 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
         trainer.start()
 
 
-def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: SlurmJob | None = None) -> int:
+def launch(
+    cfg: RunConfig,
+    run_dir: Path,
+    dry_run: bool,
+    resumed: bool,
+    job: SlurmJob | None = None,
+    wait: bool = False,
+) -> int:
     if cfg.eval.on and cfg.launch.backend == "tinker":
         # Evaluation samples saved adapter folders through the local gateway's vLLM, which a Tinker run has not.
         print(
@@ -423,7 +459,35 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
             flush=True,
         )
         return 0
+    if attached(cfg) and job is not None:
+        raise ConfigError(
+            "inference.engine_url: attaching to an engine runs outside SLURM; inside a job the run starts its own"
+        )
     model_path = preflight(cfg)
+    lease: EngineLease | None = None
+    if attached(
+        cfg
+    ):  # the engine's vLLM dtype comes with it: before the memory plan and the run's config files
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lease = attach_run(cfg, run_dir, model_path, wait)
+        write_attached(run_dir, lease)
+        lease.start_renewing()
+    try:
+        return run_components(cfg, run_dir, model_path, resumed, job, lease)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def run_components(
+    cfg: RunConfig,
+    run_dir: Path,
+    model_path: str,
+    resumed: bool,
+    job: SlurmJob | None,
+    lease: EngineLease | None,
+) -> int:
+    """Write the run folder, start every component, supervise the run, stop it all and write the report."""
     check_memory(cfg, model_path)
     components = write_run_folder(cfg, run_dir, model_path, job)
     stopping = {"signal": 0}
@@ -444,7 +508,7 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
     try:
         start_all(components, cfg, run_dir)
         print("all components up; training", flush=True)
-        code = Supervisor(components, cfg, run_dir).run()
+        code = Supervisor(components, cfg, run_dir, lease).run()
         ended = "finished"
         return code
     except KeyboardInterrupt:
@@ -457,7 +521,7 @@ def launch(cfg: RunConfig, run_dir: Path, dry_run: bool, resumed: bool, job: Slu
     finally:
         # The trainer first: on a stop it finishes its step, publishes that version (the gateway must still be up
         # to verify and serve it) and writes a final checkpoint; then everything else.
-        if components:  # api, gateway, *envs, trainer (build_components)
+        if components:  # api, gateway (unless attached), *envs, trainer (build_components)
             stop_first(components[-1], TRAINER_STOP_S)
         stop_all(components + ([dashboard] if dashboard else []))
         # While our handlers stand: a second Ctrl-C cuts the report short, not the launcher.
@@ -506,6 +570,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.add_argument(
+        "--wait",
+        action="store_true",
+        help="with inference.engine_url: wait while another run holds the engine, instead of refusing",
+    )
+    p.add_argument(
         "--slurm-nodes",
         metavar="NODELIST",
         help="with --dry-run: show the SLURM placement on these nodes (e.g. 'gpu[01-03]')",
@@ -534,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
                 "own nodes are used"
             )
         job = SlurmJob(0, parse_nodelist(args.slurm_nodes)) if args.slurm_nodes else job_from_env()
-        return launch(cfg, run_dir, args.dry_run, resumed=bool(args.resume), job=job)
+        return launch(cfg, run_dir, args.dry_run, resumed=bool(args.resume), job=job, wait=args.wait)
     except ConfigError as exc:
         print(f"launch.sh: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from trainer.orchestration.attach import EngineLease, lease_headers
 from trainer.orchestration.commands import PY
 from trainer.orchestration.evaluation import Evaluator
 from trainer.orchestration.idle import Snapshot, explain_idle, log_tail
@@ -76,9 +77,15 @@ class Supervisor:
     """Runs until the trainer finishes (returns 0) or something cannot be healed (raises LaunchError). An
     environment may exit 0: it stops by itself once run-api's step count is reached."""
 
-    def __init__(self, components: list[Component], cfg: RunConfig, run_dir: Path):
+    def __init__(
+        self, components: list[Component], cfg: RunConfig, run_dir: Path, lease: EngineLease | None = None
+    ):
         self.components = components
-        self.api, self.gateway, *self.envs, self.trainer = components
+        self.api, self.trainer = components[0], components[-1]
+        # None on a shared engine (launch.sh engine): its own supervisor restarts its gateway.
+        self.gateway = next((c for c in components if c.name == "gateway"), None)
+        self.envs = [c for c in components[1:-1] if c is not self.gateway]
+        self.lease = lease
         self.cfg = cfg
         self.run_dir = run_dir
         self.metrics = run_dir / "metrics.jsonl"
@@ -87,7 +94,8 @@ class Supervisor:
         self.restarted_at: dict[str, list[float]] = {}
         self.faults: dict[str, int] = dict.fromkeys(FAULT_KEYS, 0)
         self.queued = 0  # sequences waiting in run-api at the last probe
-        self.vllm_restarts = 0  # the gateway's count at the last probe
+        # The gateway's count at the last probe; on an engine, unknown until the first (earlier runs' restarts).
+        self.vllm_restarts = 0 if self.gateway is not None else -1
         self.next_probe = 0.0
         self.progress_at = time.monotonic()  # the last new metrics row (or the start)
         self.progress_seen = Snapshot()  # the components' counts then
@@ -95,6 +103,7 @@ class Supervisor:
         self.next_idle_warning = 0.0
         token = cfg.inference.get("publish_token")
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self.auth.update(lease_headers(cfg))
         self.evaluator = Evaluator(cfg, run_dir, cfg.launch.gateway_url or "", self.auth)
         self.last_row: dict[str, Any] | None = None
 
@@ -123,7 +132,9 @@ class Supervisor:
         if code is not None:
             self.heal(self.trainer, code)
             return None
-        for comp in (self.api, self.gateway, *self.envs):
+        if self.lease is not None and self.lease.lost:
+            raise LaunchError(self.lease.lost)
+        for comp in (self.api, *self.envs) if self.gateway is None else (self.api, self.gateway, *self.envs):
             code = comp.exited()
             if code is not None and not (comp in self.envs and code == 0):
                 self.heal(comp, code)
@@ -239,11 +250,11 @@ class Supervisor:
             url = f"{self.cfg.launch.gateway_url}/policy"
             policy = httpx.get(url, timeout=5, headers=self.auth).json()
             restarts = int(policy["restarts"])
-            if restarts > self.vllm_restarts:
+            if 0 <= self.vllm_restarts < restarts:
                 self.faults["restarts_vllm"] += restarts - self.vllm_restarts
                 print(
                     f"launch.sh: the gateway restarted vLLM (restart {restarts}; log "
-                    f"{self.run_dir / 'logs' / 'vllm.log'})",
+                    f"{self.run_dir / 'logs' / 'vllm.log' if self.gateway else 'the engine folder vllm.log'})",
                     flush=True,
                 )
                 self.write_faults()

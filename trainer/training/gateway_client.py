@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 
 from inference.wire import (
+    LEASE_HEADER,
     ExpectRequest,
     ExpectResponse,
     LookupRequest,
@@ -33,11 +34,14 @@ class GatewayClient:
         self,
         url: str,
         publish_token: str | None = None,
+        lease: str | None = None,
         timeout_s: float = 30.0,
         retry_budget_s: float = 300.0,
         log: str = "the gateway's log",
     ):
         headers = {"Authorization": f"Bearer {publish_token}"} if publish_token else {}
+        if lease:  # a run attached to a shared engine (launch.sh engine) holds its lease
+            headers[LEASE_HEADER] = lease
         self.url = url
         self.edge = Edge("gateway", url, log, retry_budget_s)
         self._http = httpx.Client(base_url=url, timeout=timeout_s, headers=headers)

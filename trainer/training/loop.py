@@ -312,6 +312,7 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     gateway = GatewayClient(
         cfg.launch.gateway_url,
         cfg.inference.get("publish_token"),
+        lease=cfg.inference.get("engine_lease") if cfg.inference.get("engine_url") else None,
         timeout_s=cfg.trainer.request_timeout_s,
         retry_budget_s=cfg.trainer.retry_budget_s,
         log=str(logs / "gateway.log"),

@@ -41,6 +41,11 @@ def _run_config_model() -> type[BaseModel]:
     return _find_model(module, required={"rollout", "inference", "model"})
 
 
+def _engine_keys_model() -> type[BaseModel]:
+    module = importlib.import_module("trainer.training.config")
+    return _find_model(module, required={"engine_url"})
+
+
 def _gateway_config_model() -> type[BaseModel]:
     module = importlib.import_module("inference.config")
     return _find_model(module, required={"vllm", "publish_token"})
@@ -82,8 +87,10 @@ class KeyIndex:
 
     def exists(self, key: str) -> bool:
         first, *rest = key.split(".")
-        if first == "inference":
-            return _walk(self.gateway, rest)
+        if (
+            first == "inference"
+        ):  # the gateway's section, and the run's own keys in it (attaching to an engine)
+            return _walk(self.gateway, rest) or _walk(_engine_keys_model(), rest)
         return _walk(self.run, [first, *rest])
 
 
@@ -271,7 +278,11 @@ def test_links_paths_and_config_keys_resolve() -> None:
 def test_configuration_reference_lists_every_key() -> None:
     keys = _keys()
     wanted = [k for k in all_keys(keys.run) if k != "inference" and not k.startswith("inference.")]
-    wanted += ["inference", *all_keys(keys.gateway, "inference.")]
+    wanted += [
+        "inference",
+        *all_keys(keys.gateway, "inference."),
+        *all_keys(_engine_keys_model(), "inference."),
+    ]
     reference = (ROOT / "docs" / "configuration.md").read_text()
     missing = [k for k in wanted if f"`{k}`" not in reference]
     assert not missing, f"docs/configuration.md has no row for {missing} (add: key, type, default, meaning)"

@@ -15,6 +15,7 @@ SHARED = "rlcommon"
 ALLOWED_CROSSING = {
     ("trainer.training.gateway_client", "inference.wire"),
     ("trainer.service.sampling", "inference.wire"),  # the service samples through the gateway
+    ("trainer.orchestration.attach", "inference.wire"),  # a run attaching to a shared engine's gateway
 }
 # benchmarks/ measures the processes from outside: it may use the trainer's code and the gateway's wire types, and
 # nothing in trainer/, inference/ or environments/ imports it.
@@ -31,6 +32,8 @@ ABOVE_TRAINING = {"trainer.backends", "trainer.orchestration", "trainer.service"
 ORCHESTRATION_MODULES = {
     "__init__",
     "commands",  # the command lines of each process
+    "attach",  # a run attached to a shared engine: its lease
+    "engine",  # launch.sh engine: a gateway shared by runs
     "dashboard_launch",  # launch.dashboard: the live dashboard beside a run
     "run_api",  # a mixed run's run-api: atroposlib's app plus /envs and re-registration
     "evaluation",  # the evaluate processes of a run, on its schedule

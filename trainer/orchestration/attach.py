@@ -24,10 +24,10 @@ import httpx
 from inference.wire import LEASE_HEADER, AttachRequest, AttachResponse, EngineStatus
 from rlcommon.model_identity import model_identity
 from trainer.orchestration.commands import ROOT
-from trainer.training.config import ConfigError, RunConfig
+from trainer.training.config import ENGINE_KEYS, ConfigError, RunConfig
 
 ENGINES = ROOT / "runs" / "engines"  # one record per running engine: its URL, publish token, folder and PID
-ATTACH_KEYS = ("engine_url", "engine_lease")  # inference.* keys of the run, not of a gateway
+ATTACH_KEYS = ENGINE_KEYS  # inference.* keys of the run, not of a gateway
 RENEW_EVERY_S = 3.0
 WAIT_EVERY_S = 2.0
 

@@ -561,6 +561,23 @@ class PricingConfig(_Section):
     local_gpu_usd_per_hour: float = Field(0.0, ge=0, description="what the local GPU box costs per hour, USD")
 
 
+class EngineAttachKeys(_Section):
+    """Keys of a run's `inference:` section that are the run's, not its gateway's: they attach the run to a shared
+    engine (launch.sh engine; trainer/orchestration/attach.py) and never reach a gateway.yaml."""
+
+    engine_url: str | None = Field(
+        None,
+        description="a shared engine's URL (launch.sh engine): the run starts no gateway or vLLM of its own and "
+        "holds the engine through a lease",
+    )
+    engine_lease: str | None = Field(
+        None, description="set by the launcher: the run's lease id on the engine (a resumed run keeps it)"
+    )
+
+
+ENGINE_KEYS = tuple(EngineAttachKeys.model_fields)
+
+
 class LaunchConfig(_Section):
     backend: Literal["local", "tinker"] = Field(
         "local", description="who trains and samples: this box or Tinker"
@@ -709,6 +726,7 @@ class RunConfig(_Section):
                 f"inference.keep_versions={kept} is below rollout.max_staleness={self.rollout.max_staleness}: the "
                 "gateway would unload versions the trainer still accepts; drop it (it follows rollout.max_staleness)"
             )
+        EngineAttachKeys.model_validate({k: self.inference[k] for k in ENGINE_KEYS if k in self.inference})
         for key in ("sampler", "tinker"):
             if key in self.inference:
                 raise ValueError(

@@ -6,6 +6,7 @@ python -m benchmarks service [...]                                  # Tinker-pro
 python -m benchmarks onpolicy [...]                                 # toy loop by staleness bound x gate
 python -m benchmarks soak --minutes 30 --fault-every 60             # the toy loop under faults
 python -m benchmarks distill [--teacher RUN_DIR]                    # distillation against RL from scratch (toy)
+python -m benchmarks engine [--pairs 3]                             # time to first step: own vLLM vs attached
 
 `python -m benchmarks NAME --help` gives each one's options; `python -m benchmarks.MODULE` runs the same code.
 """
@@ -22,6 +23,7 @@ COMMANDS = {  # name -> (module whose main(argv) it runs, one line for --help)
     "service": ("benchmarks.service_bench", "Tinker-protocol service under 1, 2 and 4 SDK clients"),
     "onpolicy": ("benchmarks.onpolicy_bench", "toy loop at several staleness bounds, gate on and off"),
     "soak": ("benchmarks.soak", "toy loop under a fault every M seconds for N minutes"),
+    "engine": ("benchmarks.engine_bench", "time to a run's first step: its own vLLM against a shared engine"),
     "distill": (
         "benchmarks.distill_bench",
         "toy: a student distilled from a teacher against RL from scratch",

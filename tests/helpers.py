@@ -19,6 +19,7 @@ import httpx
 import torch
 import uvicorn
 
+from trainer.orchestration.attach import record_path
 from trainer.training.config import RunConfig
 from trainer.training.polling import wait_until
 
@@ -355,3 +356,22 @@ def health_polled(
         poller.wait(30)
     assert polls and {status for _, _, status in polls} == {200}
     return answer, [(sent, latency) for sent, latency, _ in polls], started, answered
+
+
+def gateway_log(run_dir: Path) -> str:
+    """What the run's gateway logged: its own gateway.log, or for a run attached to a shared engine, the engine's
+    gateway log from that run's attach on (the engine names the run folder when it attaches)."""
+    own = run_dir / "logs" / "gateway.log"
+    if own.exists():
+        return own.read_text()
+    engine = json.loads((run_dir / "engine.json").read_text())
+    folder = Path(json.loads(record_path(engine["engine_url"]).read_text())["folder"])
+    text = (folder / "logs" / "gateway.log").read_text()
+    mark = f"attached: the run in {run_dir} "
+    return text[text.rindex(mark) :] if mark in text else ""
+
+
+def on_engine(engine: Any) -> list[str]:
+    """Launch arguments that attach a run to the session's shared engine (tests/conftest.py shared_engine). With
+    --wait: a run a failed test left behind holds the lease until it lapses, and must not fail the next test too."""
+    return [f"inference.engine_url={engine.url}", "--wait"]

@@ -1,7 +1,7 @@
 """A shared engine (`launch.sh engine`, the session's `shared_engine`): toy runs attach to it one after another
 with `inference.engine_url`, pay no vLLM start, each learn, and do not see each other's versions or samples; a
 second run is refused while the first holds the lease, and attaches once a killed holder's lease lapses; a kill -9 of
-vLLM under an attached run is healed by the engine and the run finishes. One test for all of it: each run costs a
+vLLM under an attached run is healed by the engine and the run finishes; the killed run resumes on the engine. One test for all of it: each run costs a
 toy run's minute, and the later checks need the earlier runs' state."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tests.conftest import SharedEngine
 from tests.helpers import ROOT, assert_learned, launch_cmd, read_metrics, run_launch, stop_process
@@ -71,15 +72,16 @@ def test_runs_attach_one_at_a_time_learn_keep_their_own_versions_and_ride_out_a_
 
     # 2. While a run holds the engine, another is refused with the holder's name; killed, its lease lapses.
     holder = tmp_path / "holder"
+    steps = ["rollout.num_steps=6", "optim.total_steps=6", "trainer.checkpoint_every=1"]
     proc = subprocess.Popen(
-        attached(holder, url, "rollout.num_steps=200"),
+        attached(holder, url, *steps),
         cwd=ROOT,
         text=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_until(lambda: started(holder, proc, 1), 300, "the holder's first step", 0.5)
+        wait_until(lambda: started(holder, proc, 2), 300, "the holder's second step", 0.5)
         second = tmp_path / "second"
         rc, out, _ = run_launch(attached(second, url), 120)
         assert rc == 2 and f"leased to the run in {holder}" in out, out[-2000:]
@@ -112,5 +114,12 @@ def test_runs_attach_one_at_a_time_learn_keep_their_own_versions_and_ride_out_a_
     assert faults["restarts_vllm"] >= 1, faults
     # The second run's ledger knows nothing of the first's samples.
     assert lookup(url, seq) is None
+
+    # 4. The killed run resumes on the engine as the same run (its lease id), from its checkpoint, to its end.
+    lease = yaml.safe_load((holder / "config.yaml").read_text())["inference"]["engine_lease"]
+    rc, out, _ = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(holder)], 600)
+    assert rc == 0 and "attached to the engine at" in out, out[-3000:]
+    assert yaml.safe_load((holder / "config.yaml").read_text())["inference"]["engine_lease"] == lease
+    assert [r["step"] for r in read_metrics(holder)] == list(range(1, 7))
     engine = httpx.get(f"{url}/engine", timeout=10).json()
-    assert engine["runs"] >= 3 and engine["lapsed"] >= 1
+    assert engine["runs"] >= 4 and engine["lapsed"] >= 1

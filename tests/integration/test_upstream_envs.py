@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import assert_nothing_left, read_metrics, run_launch
+from tests.helpers import assert_nothing_left, gateway_log, on_engine, read_metrics, run_launch
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
@@ -75,7 +75,7 @@ def mixed_config(tmp_path: Path) -> Path:
     return path
 
 
-def test_two_upstream_patterns_train_in_one_mixed_run(tmp_path):
+def test_two_upstream_patterns_train_in_one_mixed_run(tmp_path, shared_engine):
     """tokenized_chat.py: no seed field, a bare APIServerConfig, integer stop ids, tokenize_for_trainer (no
     sampler logprobs, re-tokenized chats unknown to the ledger), replies cut at max_tokens, chats longer than the
     limits. managed_turns.py: a list of two server configs (atroposlib refuses --openai.* flags for it),
@@ -84,7 +84,7 @@ def test_two_upstream_patterns_train_in_one_mixed_run(tmp_path):
     which file did what."""
     run_dir = tmp_path / "run"
     cmd = ["bash", str(ROOT / "launch.sh"), "--config", str(mixed_config(tmp_path))]
-    rc, out, _ = run_launch([*cmd, f"trainer.output_dir={run_dir}", *SMALL], 900)
+    rc, out, _ = run_launch([*cmd, f"trainer.output_dir={run_dir}", *SMALL, *on_engine(shared_engine)], 900)
     assert rc == 0, out
     assert "--env.seed is not passed" in out and "sends all its requests to the gateway" in out
     rows = assert_trained_without_drops(run_dir)
@@ -96,5 +96,5 @@ def test_two_upstream_patterns_train_in_one_mixed_run(tmp_path):
     )  # ManagedServer's are known
     assert sum(r.get("rollouts/tokenized/sequences_truncated", 0) for r in rows) > 0
     assert all(r["reward/turns/mean"] is None or r["reward/turns/mean"] > 0 for r in rows)
-    assert "stop_token_ids" in (run_dir / "logs" / "gateway.log").read_text()
+    assert "stop_token_ids" in gateway_log(run_dir)
     assert_nothing_left(run_dir)

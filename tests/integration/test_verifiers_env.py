@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import ROOT, assert_learned, assert_nothing_left, read_metrics, run_launch
+from tests.helpers import (
+    ROOT,
+    assert_learned,
+    assert_nothing_left,
+    gateway_log,
+    on_engine,
+    read_metrics,
+    run_launch,
+)
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
@@ -41,7 +49,9 @@ def mixed_config(tmp_path: Path) -> Path:
     return path
 
 
-def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_one_mixed_run(tmp_path):
+def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_one_mixed_run(
+    tmp_path, shared_engine
+):
     """One launch for every path: the single-turn environment learns at max_staleness 0 with the trainer's logprobs
     equal to the sampler's; the 3-turn one trains all its turns (token-in) and the tool one trains, without a drop;
     none sends a sequence the gateway's ledger does not know."""
@@ -56,6 +66,7 @@ def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_o
         "rollout.max_staleness=0",
         "rollout.num_steps=30",
         "launch.idle_warn_s=0",
+        *on_engine(shared_engine),
     ]
     rc, out, _ = run_launch(cmd, 900)
     assert rc == 0, out[-3000:]
@@ -74,8 +85,7 @@ def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_o
         assert sum(r.get(f"rollouts/{env}/sequences_trained", 0) for r in rows) > 0, env
     # An episode's later turns pass the closed on-policy gate and its quota as continuations and stay on the version
     # of its first turn (inference/policy/gate.py): the gateway's publish log counts those it let through.
-    gateway_log = (run_dir / "logs" / "gateway.log").read_text()
-    continued = [int(n) for n in re.findall(r"let (\d+) episode continuation", gateway_log)]
+    continued = [int(n) for n in re.findall(r"let (\d+) episode continuation", gateway_log(run_dir))]
     assert sum(continued) > 0, continued
     # The runner's own report of its turns (no metric carries them): token-in, and no earlier turn left out.
     multi_log = (run_dir / "logs" / "env-multi.log").read_text()

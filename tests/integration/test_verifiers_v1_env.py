@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import ROOT, assert_nothing_left, read_metrics, run_launch
+from tests.helpers import ROOT, assert_nothing_left, on_engine, read_metrics, run_launch
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
@@ -19,12 +19,12 @@ if not VF1_PY.is_file():
         "no .venv-verifiers-v1 (bash launch.sh --setup-verifiers-v1 builds it; it needs the package index)",
         allow_module_level=True,
     )
-# About 2 minutes on 2 cores, 50 s of it vLLM's start. Not 10: the pace varies, and at step 10 runs measured 0.89,
+# About 2 minutes on 2 cores with a vLLM start of its own (50 s of it); attached to the shared engine here. Not 10: the pace varies, and at step 10 runs measured 0.89,
 # 0.45 and (in a CI run) 0.22, its curve only starting to rise (0.13, 0.12, 0.17, 0.22 over steps 7-10).
 STEPS = 16
 
 
-def test_a_verifiers_v1_taskset_trains_the_sampled_tokens_on_policy(tmp_path):
+def test_a_verifiers_v1_taskset_trains_the_sampled_tokens_on_policy(tmp_path, shared_engine):
     run_dir = tmp_path / "run"
     cmd = [
         "bash",
@@ -37,6 +37,7 @@ def test_a_verifiers_v1_taskset_trains_the_sampled_tokens_on_policy(tmp_path):
         "rollout.max_staleness=0",
         f"rollout.num_steps={STEPS}",
         "launch.idle_warn_s=0",
+        *on_engine(shared_engine),
     ]
     rc, out, _ = run_launch(cmd, 600)
     assert rc == 0, out[-3000:]

@@ -315,7 +315,11 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
         lease=cfg.inference.get("engine_lease") if cfg.inference.get("engine_url") else None,
         timeout_s=cfg.trainer.request_timeout_s,
         retry_budget_s=cfg.trainer.retry_budget_s,
-        log=str(logs / "gateway.log"),
+        log=(
+            f"the shared engine's logs/gateway.log ({cfg.inference['engine_url']})"
+            if cfg.inference.get("engine_url")
+            else str(logs / "gateway.log")
+        ),
     )
     api = RunApi(cfg, cfg.launch.run_api_url, str(logs / "run-api.log"))
     stopper = Stopper()

@@ -72,7 +72,7 @@ def test_runs_attach_one_at_a_time_learn_keep_their_own_versions_and_ride_out_a_
 
     # 2. While a run holds the engine, another is refused with the holder's name; killed, its lease lapses.
     holder = tmp_path / "holder"
-    steps = ["rollout.num_steps=6", "optim.total_steps=6", "trainer.checkpoint_every=1"]
+    steps = ["rollout.num_steps=200", "optim.total_steps=200", "trainer.checkpoint_every=1"]
     proc = subprocess.Popen(
         attached(holder, url, *steps),
         cwd=ROOT,
@@ -101,8 +101,8 @@ def test_runs_attach_one_at_a_time_learn_keep_their_own_versions_and_ride_out_a_
     try:
         wait_until(lambda: started(second, proc, 3), 300, "the second run's third step", 0.5)
         pids = json.loads((second / "pids.json").read_text())
-        assert "gateway" not in pids and pids["vllm"]
-        os.kill(pids["vllm"], signal.SIGKILL)
+        assert "gateway" not in pids and "vllm" not in pids and pids["engine_vllm"]
+        os.kill(pids["engine_vllm"], signal.SIGKILL)
         out, _ = proc.communicate(timeout=600)
     finally:
         stop_process(proc)
@@ -117,9 +117,11 @@ def test_runs_attach_one_at_a_time_learn_keep_their_own_versions_and_ride_out_a_
 
     # 4. The killed run resumes on the engine as the same run (its lease id), from its checkpoint, to its end.
     lease = yaml.safe_load((holder / "config.yaml").read_text())["inference"]["engine_lease"]
-    rc, out, _ = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(holder)], 600)
+    done = int((holder / "checkpoints" / "latest").read_text().split("-")[1])
+    resume = ["bash", str(ROOT / "launch.sh"), "--resume", str(holder), f"rollout.num_steps={done + 2}"]
+    rc, out, _ = run_launch(resume, 600)
     assert rc == 0 and "attached to the engine at" in out, out[-3000:]
     assert yaml.safe_load((holder / "config.yaml").read_text())["inference"]["engine_lease"] == lease
-    assert [r["step"] for r in read_metrics(holder)] == list(range(1, 7))
+    assert [r["step"] for r in read_metrics(holder)] == list(range(1, done + 3))
     engine = httpx.get(f"{url}/engine", timeout=10).json()
     assert engine["runs"] >= 4 and engine["lapsed"] >= 1

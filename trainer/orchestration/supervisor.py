@@ -266,12 +266,14 @@ class Supervisor:
         write_atomic(self.run_dir / FAULTS_FILE, json.dumps(self.faults))
 
     def write_pids(self) -> None:
-        """RUN_DIR/pids.json: each component's PID and vLLM's, for a person (or a fault test) to look at."""
+        """RUN_DIR/pids.json: each component's PID and vLLM's, for a person (or a fault test) to look at. On a
+        shared engine vLLM is the engine's, not the run's: `engine_vllm`, which outlives the run."""
         pids: dict[str, int | None] = {c.name: c.proc.pid for c in self.components if c.proc}
-        pids["vllm"] = None
+        key = "vllm" if self.gateway is not None else "engine_vllm"
+        pids[key] = None
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
             url = f"{self.cfg.launch.gateway_url}/policy"
-            pids["vllm"] = httpx.get(url, timeout=5, headers=self.auth).json().get("backend_pid")
+            pids[key] = httpx.get(url, timeout=5, headers=self.auth).json().get("backend_pid")
         write_atomic(self.run_dir / "pids.json", json.dumps(pids))
 
     def print_new_rows(self) -> None:

@@ -491,6 +491,7 @@ class EngineStatus(BaseModel):
     keep_versions: int
     named_slots: int
     vllm_dtype: str
+    vllm: dict[str, Any] = Field(default_factory=dict)  # the engine's vLLM settings (never its key)
     lease_ttl_s: float
     runs: int  # runs attached since the gateway started
     lapsed: int  # leases that ran out without a release

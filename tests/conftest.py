@@ -67,6 +67,7 @@ def shared_engine(tmp_path_factory) -> Iterator[SharedEngine]:
     starting its own gateway and vLLM (inference.engine_url). Runs attach one at a time: a test that starts one
     waits for the lease with --wait or ends its run first."""
     from tests.helpers import ROOT, stop_process
+    from trainer.orchestration.processes import die_with_parent
     from trainer.training.polling import wait_until
 
     folder = tmp_path_factory.mktemp("shared-engine")
@@ -80,7 +81,15 @@ def shared_engine(tmp_path_factory) -> Iterator[SharedEngine]:
         f"inference.lease_ttl_s={ENGINE_LEASE_TTL_S}",
     ]
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        # Its own session (a test's signals stay away from it), and gone with pytest even if pytest is killed.
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
     def ready() -> str:
         if proc.poll() is not None:

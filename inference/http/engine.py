@@ -106,6 +106,7 @@ def engine_routes(gw: Any) -> APIRouter:
             keep_versions=cfg.keep_versions,
             named_slots=cfg.named_slots,
             vllm_dtype=cfg.vllm.dtype,
+            vllm=cfg.vllm.model_dump(mode="json", exclude={"api_key"}),
             lease_ttl_s=leases.ttl_s,
             runs=leases.runs,
             lapsed=leases.lapsed,

@@ -18,7 +18,6 @@ from tests.helpers import (
     assert_learned,
     assert_nothing_left,
     gateway_log,
-    on_engine,
     read_metrics,
     run_launch,
 )
@@ -49,9 +48,7 @@ def mixed_config(tmp_path: Path) -> Path:
     return path
 
 
-def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_one_mixed_run(
-    tmp_path, shared_engine
-):
+def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_one_mixed_run(tmp_path):
     """One launch for every path: the single-turn environment learns at max_staleness 0 with the trainer's logprobs
     equal to the sampler's; the 3-turn one trains all its turns (token-in) and the tool one trains, without a drop;
     none sends a sequence the gateway's ledger does not know."""
@@ -66,8 +63,7 @@ def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_o
         "rollout.max_staleness=0",
         "rollout.num_steps=30",
         "launch.idle_warn_s=0",
-        *on_engine(shared_engine),
-    ]
+    ]  # its own vLLM: the tool environment needs vLLM's tool-call parser (a shared engine refuses the run)
     rc, out, _ = run_launch(cmd, 900)
     assert rc == 0, out[-3000:]
     rows = read_metrics(run_dir)

@@ -17,7 +17,7 @@ from inference.policy.registry import PolicyRegistry
 from inference.wire import LEASE_HEADER
 from rlcommon.model_identity import model_identity
 from tests.scripted_gateway import ScriptedBackend, make_adapter, publish_body
-from trainer.orchestration.attach import ATTACH_KEYS, lease_headers
+from trainer.orchestration.attach import ATTACH_KEYS, lease_headers, vllm_differences
 from trainer.orchestration.launcher import gateway_section
 from trainer.training.config import RunConfig
 
@@ -174,3 +174,14 @@ def test_an_attached_runs_keys_stay_out_of_the_gateway_config_and_its_lease_goes
     assert lease_headers(cfg) == {LEASE_HEADER: "run-a-0001"}
     cfg.inference.pop("engine_url")
     assert lease_headers(cfg) == {}
+
+
+def test_a_run_asking_for_other_vllm_settings_than_the_engine_runs_is_told_which():
+    served = {"dtype": "float32", "max_lora_rank": 8, "extra_args": [], "startup_timeout_s": 300.0}
+    same = {"dtype": "auto", "max_lora_rank": 8, "startup_timeout_s": 60.0, "api_key": "k"}
+    assert vllm_differences(same, served) == []
+    other = {"dtype": "bfloat16", "extra_args": ["--enable-auto-tool-choice"], "max_lora_rank": 8}
+    assert vllm_differences(other, served) == [
+        "inference.vllm.dtype: the run's 'bfloat16', the engine's 'float32'",
+        "inference.vllm.extra_args: the run's ['--enable-auto-tool-choice'], the engine's []",
+    ]

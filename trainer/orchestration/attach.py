@@ -29,6 +29,8 @@ from trainer.training.config import ENGINE_KEYS, ConfigError, RunConfig
 ENGINES = ROOT / "runs" / "engines"  # one record per running engine: its URL, publish token, folder and PID
 ATTACH_KEYS = ENGINE_KEYS  # inference.* keys of the run, not of a gateway
 RENEW_EVERY_S = 3.0
+# How the engine runs its vLLM, not what it serves: a run may state other values and still attach.
+OPERATIONAL_VLLM_KEYS = frozenset({"api_key", "port", "startup_timeout_s", "max_restarts"})
 WAIT_EVERY_S = 2.0
 
 
@@ -172,6 +174,14 @@ def attach_run(cfg: RunConfig, run_dir: Path, model_path: str, wait: bool) -> En
     lease = EngineLease(url, token, holder, who, request)
     answer = lease.attach(wait)
     engine = answer.engine
+    differs = vllm_differences(cfg.inference.get("vllm") or {}, engine.vllm)
+    if differs:
+        lease.release()
+        raise ConfigError(
+            f"the engine at {url} runs vLLM with other settings than the run asks for ("
+            + "; ".join(differs)
+            + "): drop them from the run, or start an engine with them (bash launch.sh engine --config FILE)"
+        )
     cfg.launch.gateway_url = url
     cfg.inference["publish_token"] = token
     cfg.inference["engine_lease"] = holder
@@ -182,6 +192,17 @@ def attach_run(cfg: RunConfig, run_dir: Path, model_path: str, wait: bool) -> En
         flush=True,
     )
     return lease
+
+
+def vllm_differences(wanted: dict[str, Any], served: dict[str, Any]) -> list[str]:
+    """The run's inference.vllm settings the engine's vLLM does not have ('auto' dtype: whatever it runs)."""
+    out = []
+    for key, value in sorted(wanted.items()):
+        if key in OPERATIONAL_VLLM_KEYS or (key == "dtype" and value == "auto") or key not in served:
+            continue
+        if served[key] != value:
+            out.append(f"inference.vllm.{key}: the run's {value!r}, the engine's {served[key]!r}")
+    return out
 
 
 def lease_headers(cfg: RunConfig) -> dict[str, str]:

@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def start_engine(config: str, folder: Path) -> tuple[subprocess.Popen[bytes], str, float]:
     """`launch.sh engine` until it prints its URL: (process, URL, seconds it took)."""
+    folder.mkdir(parents=True, exist_ok=True)
     log = folder / "engine.out"
     argv = ["bash", str(ROOT / "launch.sh"), "engine", "--config", config, f"trainer.output_dir={folder}"]
     started = time.monotonic()

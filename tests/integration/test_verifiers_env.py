@@ -7,7 +7,6 @@ environment's later turns go token-in (/tokenize, /v1/chat/completions/tokens), 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from tests.helpers import (
     ROOT,
     assert_learned,
     assert_nothing_left,
-    gateway_log,
     read_metrics,
     run_launch,
 )
@@ -79,10 +77,12 @@ def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_o
         assert sum(r.get(f"rollouts/{key}", 0) for r in rows) == 0, key
     for env in ("single", "multi", "tool"):
         assert sum(r.get(f"rollouts/{env}/sequences_trained", 0) for r in rows) > 0, env
-    # An episode's later turns pass the closed on-policy gate and its quota as continuations and stay on the version
-    # of its first turn (inference/policy/gate.py): the gateway's publish log counts those it let through.
-    continued = [int(n) for n in re.findall(r"let (\d+) episode continuation", gateway_log(run_dir))]
-    assert sum(continued) > 0, continued
+    # The real client's later turns are recognised by the gateway as continuations of the turns it sampled: that is
+    # what lets them pass the closed on-policy gate and its quota on their episode's version (the gate's side is
+    # tests/unit/test_gate_continuations.py). Whether one arrives while the gate is closed is a matter of timing on
+    # this box (0 of 21 spells once), so the spells' own count is not asserted here.
+    continued = max(r.get("gateway/continuations_total") or 0 for r in rows)
+    assert continued > 0, [r.get("gateway/continuations_total") for r in rows]
     # The runner's own report of its turns (no metric carries them): token-in, and no earlier turn left out.
     multi_log = (run_dir / "logs" / "env-multi.log").read_text()
     assert "turns after the first are sent as token ids" in multi_log

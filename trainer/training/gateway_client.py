@@ -22,9 +22,15 @@ from inference.wire import (
 )
 from trainer.training.retries import Edge, checked
 
-__all__ = ["GatewayClient", "ProbeStatistic", "PublishProbe", "PublishResponse", "verification_failure"]
-
-__all__ = ["ExpectResponse", "GatewayClient", "PublishProbe", "PublishResponse", "verification_failure"]
+__all__ = [
+    "ExpectResponse",
+    "GatewayClient",
+    "PolicyStatus",
+    "ProbeStatistic",
+    "PublishProbe",
+    "PublishResponse",
+    "verification_failure",
+]
 
 PUBLISH_TIMEOUT_S = 600.0  # an adapter load waits for a vLLM restart when one is under way
 

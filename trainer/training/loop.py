@@ -50,7 +50,7 @@ from trainer.training.checkpoints import (
 from trainer.training.config import RunConfig
 from trainer.training.distill import distill_examples
 from trainer.training.faults import fault_counts
-from trainer.training.gateway_client import ExpectResponse, GatewayClient
+from trainer.training.gateway_client import ExpectResponse, GatewayClient, PolicyStatus
 from trainer.training.polling import wait_until
 from trainer.training.publishing import Publisher, PublishOutcome
 from trainer.training.refill import ShortRefill
@@ -387,12 +387,15 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
                 refill.waiting()
             groups = wait_for_batch(api, cfg.trainer.batch_poll_s, stopper, meanwhile)
             finish_pending(block=True)
-            _ensure_gateway_policy(gateway, publisher, run_dir, state)
+            served = _ensure_gateway_policy(gateway, publisher, run_dir, state)
             hold = _close_gate(cfg, gateway, state.version + 1) if gate else None
             names = api.env_names(groups) if cfg.rollout.envs else None
             pending = _one_step(
                 cfg, backend, gateway, publisher, intake, state, groups, StepTimes(waiting_since), hold, names
             )
+            # Episode turns the gateway recognised as continuing an earlier turn (a multi-turn environment's later
+            # turns, token-in): 0 in such a run means its turns reach the trainer as unrelated prompts.
+            pending.row["gateway/continuations_total"] = float(served.gate_continuations_total)
             if cfg.rollout.envs:
                 pending.row.update(api.shortfalls())
             if not publisher.overlap:
@@ -610,11 +613,12 @@ def _resume(backend: TrainingBackend, publisher: Publisher, run_dir: Path) -> Lo
 
 def _ensure_gateway_policy(
     gateway: GatewayClient, publisher: Publisher, run_dir: Path, state: LoopState
-) -> None:
-    """A gateway restarted by the launcher serves the base model: publish the trainer's version again."""
+) -> PolicyStatus:
+    """A gateway restarted by the launcher serves the base model: publish the trainer's version again. Returns the
+    gateway's status as read before any publish."""
     status = gateway.status()
     if status.current_version == state.version:
-        return
+        return status
     log.warning(
         "the gateway serves version %d, the trainer is at %d (the gateway was restarted): publishing %d again",
         status.current_version,
@@ -623,6 +627,7 @@ def _ensure_gateway_policy(
     )
     adapter = str(adapter_dir(run_dir, state.version)) if state.version > 0 else None
     publisher.republish(state.version, adapter)
+    return status
 
 
 def versions_by_group(gateway: GatewayClient, groups: list[Any]) -> list[list[int | None]]:

@@ -1,0 +1,195 @@
+"""What an export starts from: one adapter folder of a run (a published policy version, the version a step produced,
+or a checkpoint's adapter), the run's config as it was written, and the base model as a local folder. Every refusal
+says what was found and what to do; nothing here writes."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.readout.runfolder import number, read_metrics
+from trainer.training.checkpoints import adapter_dir
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+HUB_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<rev>[0-9a-f]{7,64})")
+
+
+class ExportError(Exception):
+    """An export that cannot be done as asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    folder: Path  # a local Hugging Face model folder
+    hub_id: str | None  # org/name when the folder is a snapshot in the Hugging Face cache
+    revision: str | None  # that snapshot's commit
+
+    @property
+    def name(self) -> str:
+        return self.hub_id or str(self.folder)
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    adapter: Path  # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)
+    base: BaseModel
+    config: dict[str, Any]  # the run's resolved config as written (not validated: an older run still exports)
+    run_dir: Path | None
+    version: int | None  # the policy version (None for a checkpoint's adapter)
+    step: int | None  # the optimizer step that produced it, when known
+    label: str  # how the card and messages name it: "version 12 (step 12)", "checkpoint step-000040"
+
+
+def base_model(config: dict[str, Any]) -> BaseModel:
+    """The run's base model as a local folder, or ExportError naming the command that fetches it."""
+    from trainer.orchestration.preflight import cached_model, fetch_command
+
+    path = str((config.get("model") or {}).get("path") or "")
+    if path == "tiny":  # the offline test model, rebuilt identically from its seed where it is not cached
+        from trainer.backends.tiny_model import ensure_tiny_model
+
+        return BaseModel(ensure_tiny_model(), None, None)
+    folder = Path(path)
+    if folder.is_dir() and (folder / "config.json").is_file():
+        return hub_origin(folder.resolve())
+    if path and not path.startswith(("/", ".", "~")):
+        cached = cached_model(path, tokenizer_only=False)
+        if cached is not None:
+            return hub_origin(Path(cached))
+        raise ExportError(
+            f"the base model {path!r} is not available offline; fetch it with `{fetch_command(path, False)}` and "
+            "export again"
+        )
+    raise ExportError(
+        f"the run's base model folder {path!r} is gone (model.path in the run's config); put the model back there "
+        "or edit model.path in the run's config.yaml to where it is now"
+    )
+
+
+def hub_origin(folder: Path) -> BaseModel:
+    """The hub id and revision of a Hugging Face cache snapshot folder; neither for any other folder."""
+    found = HUB_SNAPSHOT.search(folder.as_posix())
+    if found is None:
+        return BaseModel(folder, None, None)
+    return BaseModel(folder, f"{found['org']}/{found['name']}", found["rev"])
+
+
+def find_source(path: Path, version: int | None = None, step: int | None = None) -> ExportSource:
+    """The adapter `path` names: a run folder (its newest published version, or `version`, or the version `step`
+    produced), a checkpoint folder, or one adapters/vNNNNNN folder of a run."""
+    if not path.is_dir():
+        raise ExportError(
+            f"{path}: no such folder; give a run folder (RUN_DIR), a checkpoint or an adapter folder"
+        )
+    if (path / "trainer_state.pt").is_file():
+        if version is not None or step is not None:
+            raise ExportError(f"{path} is a checkpoint: it holds one adapter; drop --version/--step")
+        return _checkpoint(path)
+    if (path / "config.yaml").is_file():
+        return _run_version(path, version, step)
+    versioned = re.fullmatch(r"v(\d+)", path.name)
+    if versioned and path.parent.name == "adapters" and (path.parent.parent / "config.yaml").is_file():
+        if step is not None or (version is not None and version != int(versioned[1])):
+            raise ExportError(f"{path} is version {int(versioned[1])}'s adapter; drop --version/--step")
+        return _run_version(path.parent.parent, int(versioned[1]), None)
+    raise ExportError(
+        f"{path} is not a run folder (no config.yaml), a checkpoint (no trainer_state.pt) or a run's adapters/vN "
+        "folder; give the folder `bash launch.sh` printed as the run's"
+    )
+
+
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ExportError(f"{run_dir / 'config.yaml'} cannot be read: {exc}") from exc
+    if not isinstance(loaded, dict):
+        raise ExportError(f"{run_dir / 'config.yaml'} is not a run config (a mapping)")
+    return loaded
+
+
+def published_versions(run_dir: Path) -> dict[int, int]:
+    """Policy version -> the step that published it, from the run's metrics (a resumed run's redone steps win)."""
+    versions: dict[int, int] = {}
+    for row in read_metrics(run_dir / "metrics.jsonl").rows:
+        v, s = number(row, "policy_version"), number(row, "step")
+        if v is not None and s is not None and v > 0:
+            versions[int(v)] = int(s)
+    return versions
+
+
+def _run_version(run_dir: Path, version: int | None, step: int | None) -> ExportSource:
+    config = _run_config(run_dir)
+    if (config.get("launch") or {}).get("backend") == "tinker":
+        raise ExportError(
+            f"{run_dir} trained on Tinker (launch.backend=tinker): its weights live on Tinker, not in the run "
+            "folder, and export does not download them; train with launch.backend=local to export"
+        )
+    versions = published_versions(run_dir)
+    if not versions:
+        raise ExportError(
+            f"{run_dir} has no adapter yet: no step of its metrics.jsonl published a version above 0 (the base). "
+            "Let it train a step, or export a checkpoint folder"
+        )
+    if step is not None:
+        by_step = {s: v for v, s in versions.items()}
+        if step not in by_step:
+            raise ExportError(
+                f"step {step} published no version in {run_dir} (steps that did: {_span(sorted(by_step))})"
+            )
+        version = by_step[step]
+    elif version is None:
+        version = max(versions)
+    elif version not in versions:
+        raise ExportError(
+            f"version {version} was never published by {run_dir} (published: {_span(sorted(versions))}); "
+            "pass one of those to --version"
+        )
+    folder = adapter_dir(run_dir, version)
+    if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
+        raise ExportError(
+            f"version {version}'s adapter folder {folder} is missing or incomplete (was it deleted?)"
+        )
+    return ExportSource(
+        adapter=folder,
+        base=base_model(config),
+        config=config,
+        run_dir=run_dir,
+        version=version,
+        step=versions[version],
+        label=f"version {version} (step {versions[version]})",
+    )
+
+
+def _checkpoint(path: Path) -> ExportSource:
+    try:
+        config = json.loads((path / "run_config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(
+            f"{path / 'run_config.json'} cannot be read ({exc}): not a checkpoint of this trainer"
+        ) from exc
+    if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
+        raise ExportError(f"{path} holds no adapter (adapter_config.json, adapter_model.safetensors)")
+    named = re.fullmatch(r"step-(\d+)", path.name)
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
+    return ExportSource(
+        adapter=path,
+        base=base_model(config),
+        config=config,
+        run_dir=run_dir,
+        version=None,
+        step=int(named[1]) if named else None,
+        label=f"checkpoint {path.name}",
+    )
+
+
+def _span(values: list[int]) -> str:
+    if len(values) > 6:
+        return f"{values[0]}..{values[-1]} ({len(values)} in all)"
+    return ", ".join(map(str, values))

@@ -9,6 +9,7 @@ python -m trainer report RUN_DIR RUN_DIR [...] --out DIR             # side-by-s
 python -m trainer dashboard [FOLDER ...] [--host H --token T]        # live web page of runs and service clients
 python -m trainer eval RUN_DIR [--version N] [--base] [--adapter DIR]  # held-out eval of a run's adapters / the base
 python -m trainer export RUN_DIR --out DIR [--merge] [--push REPO_ID]  # the trained policy as an adapter or a model
+python -m trainer serve EXPORT_DIR|RUN_DIR [--port N]                   # talk to it: an OpenAI-compatible port
 
 Benchmarks and the soak test are `python -m benchmarks ...` (see `python -m benchmarks --help`).
 """
@@ -29,6 +30,7 @@ TOOLS = {  # sub-command -> module whose main(argv) it runs
     "dashboard": "trainer.readout.dashboard",
     "eval": "trainer.orchestration.eval_cli",
     "export": "trainer.export.cli",
+    "serve": "trainer.export.serve",
 }
 MOVED = {  # former sub-command -> the command that runs it now
     "bench": "python -m benchmarks trainer",

@@ -23,11 +23,14 @@ from trainer.export.source import ExportError, find_source, hub_origin
 IDS = torch.tensor([[1, 5, 6, 7, 8, 100, 200, 300, 400, 9]])
 
 
-def write_run(run_dir: Path, targets: list[str], versions: int = 2, backend: str = "local") -> Path:
+def write_run(
+    run_dir: Path, targets: list[str], versions: int = 2, backend: str = "local", model: Path | None = None
+) -> Path:
     """A run folder as a launch leaves it: config.yaml naming the model folder, adapters/vN, metrics and evals."""
     from trainer.backends.local import LocalBackend
 
-    cfg = make_cfg(run_dir, lora__target_modules=targets)
+    model = model or ensure_tiny_model()
+    cfg = make_cfg(run_dir, lora__target_modules=targets, model__path=str(model))
     trainer = LocalBackend(cfg)
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -38,7 +41,6 @@ def write_run(run_dir: Path, targets: list[str], versions: int = 2, backend: str
         trainer.save_for_sampler(v)
         rows.append({"step": v, "policy_version": v, "loss": 0.1})
     data = cfg.model_dump(mode="json")
-    data["model"]["path"] = str(ensure_tiny_model())
     data["launch"]["backend"] = backend
     (run_dir / "config.yaml").write_text(yaml.safe_dump(data))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -56,11 +58,11 @@ def run(tmp_path_factory) -> Path:
     return write_run(tmp_path_factory.mktemp("run"), ALL_TARGETS)
 
 
-def peft_logits(adapter: Path) -> torch.Tensor:
+def peft_logits(adapter: Path, model: Path | None = None) -> torch.Tensor:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(str(model or ensure_tiny_model()), dtype=torch.float32)
     with torch.no_grad():
         return PeftModel.from_pretrained(base, str(adapter)).eval()(IDS).logits
 
@@ -95,6 +97,26 @@ def test_the_merged_model_is_base_plus_adapter(tmp_path, targets):
         [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
     )
     assert "Hi" in text
+
+
+def test_a_tied_lm_head_gets_its_own_weight_and_the_embeddings_stay_the_bases(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    tied = tmp_path / "tied"
+    shutil.copytree(ensure_tiny_model(), tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(str(tied / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, str(tied / "model.safetensors"))
+    src = write_run(tmp_path / "run", ALL_TARGETS, versions=1, model=tied)
+    out = tmp_path / "merged"
+    assert cli.main([str(src), "--out", str(out), "--merge"]) == 0
+    assert (model_logits(out) - peft_logits(src / "adapters" / "v000001", tied)).abs().max().item() < 1e-4
+    merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(str(tied), dtype=torch.float32)
+    assert not merged.config.tie_word_embeddings
+    assert torch.equal(merged.get_input_embeddings().weight, base.get_input_embeddings().weight)
 
 
 def test_the_adapter_folder_loads_with_peft_and_names_its_base(run, tmp_path):

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
             url = push(out, args.push, not args.public, f"Export of {src.label}")
             print(f"export: pushed to {args.push} ({url})", flush=True)
-        print(f"talk to it: python -m trainer serve {out}", flush=True)
+        with_config = f" --config {src.run_dir / 'config.yaml'}" if src.run_dir else ""
+        print(f"talk to it: python -m trainer serve {out}{with_config}", flush=True)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

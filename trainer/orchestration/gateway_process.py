@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -21,10 +22,13 @@ from trainer.training.config import RunConfig, load_config
 from trainer.training.polling import wait_until
 
 
-def write_gateway_config(config: str | None, overrides: list[str], out: Path) -> Path:
-    """RUN_DIR-style gateway.yaml from a run config and dotted overrides (`inference.keep_versions=2`)."""
+def write_gateway_config(
+    config: str | None, overrides: list[str], out: Path, address: dict[str, Any] | None = None
+) -> Path:
+    """RUN_DIR-style gateway.yaml from a run config and dotted overrides (`inference.keep_versions=2`), on
+    `address` (default: any free port of 127.0.0.1)."""
     cfg = load_config(RunConfig, config, overrides)
-    section = gateway_section(cfg, check_model(cfg.model.path), {"port": 0})
+    section = gateway_section(cfg, check_model(cfg.model.path), address or {"port": 0})
     write_private(out, yaml.safe_dump(section, sort_keys=False))
     return out
 
@@ -39,11 +43,15 @@ def gateway_healthy(url: str, proc: subprocess.Popen[bytes]) -> bool:
 
 @contextlib.contextmanager
 def spawn_gateway(
-    config: str | None, overrides: list[str], log_dir: Path, timeout_s: float = 600.0
+    config: str | None,
+    overrides: list[str],
+    log_dir: Path,
+    timeout_s: float = 600.0,
+    address: dict[str, Any] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Run `python -m inference` until it is healthy; yield (url, process); SIGTERM it (and so vLLM) at exit."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    gateway_yaml = write_gateway_config(config, overrides, log_dir / "gateway.yaml")
+    gateway_yaml = write_gateway_config(config, overrides, log_dir / "gateway.yaml", address)
     port_file = log_dir / "gateway.port"
     port_file.unlink(missing_ok=True)
     argv = [

@@ -193,6 +193,12 @@ class TinkerBackend:
             )
         if loss.tis_cap is not None:
             raise ConfigError("loss.tis_cap is not available with --backend tinker")
+        if loss.ratio_mask != "none":
+            # Tinker computes the ratio inside its own loss and takes no per-token mask from the ratio.
+            raise ConfigError(
+                f"loss.ratio_mask={loss.ratio_mask} is not available with --backend tinker: Tinker's losses take no "
+                "mask computed from the ratio; use --backend local, or loss.ratio_mask=none"
+            )
 
     def _submit(
         self,

@@ -16,7 +16,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rlcommon.hosts import LOOPBACK_HOSTS
 from rlcommon.overrides import apply_overrides, error_lines, renamed_key
 from rlcommon.slots import DEFAULT_MAX_STALENESS, KEEP_VERSIONS_MEANING
-from trainer.training.losses import DEFAULT_DRO_BETA, RATIO_LOSSES, LossName, LossParams, Reduction
+from trainer.training.losses import (
+    DEFAULT_DRO_BETA,
+    DEFAULT_MASK_BOUNDS,
+    MASKABLE_LOSSES,
+    RATIO_LOSSES,
+    LossName,
+    LossParams,
+    RatioMask,
+    Reduction,
+)
 
 
 class _Section(BaseModel):
@@ -89,6 +98,13 @@ class LossConfig(_Section):
     clip_high_threshold: float | None = Field(None, description="upper ratio bound; None = Tinker's default")
     beta: float = Field(DEFAULT_DRO_BETA, ge=0, description="dro quadratic penalty")
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap on the ratio")
+    ratio_mask: RatioMask = Field(
+        "none",
+        description="masking correction: token = leave out each token whose trainer/sampler ratio is outside "
+        "[mask_low, mask_high]; sequence = leave out each sequence whose geometric-mean ratio is; none = off",
+    )
+    mask_low: float = Field(DEFAULT_MASK_BOUNDS[0], gt=0, lt=1, description="lower ratio bound of ratio_mask")
+    mask_high: float = Field(DEFAULT_MASK_BOUNDS[1], gt=1, description="upper ratio bound of ratio_mask")
 
     def params(self) -> LossParams:
         return LossParams(
@@ -97,6 +113,9 @@ class LossConfig(_Section):
             clip_high_threshold=self.clip_high_threshold,
             beta=self.beta,
             tis_cap=self.tis_cap,
+            ratio_mask=self.ratio_mask,
+            mask_low=self.mask_low,
+            mask_high=self.mask_high,
         )
 
 
@@ -736,6 +755,12 @@ class RunConfig(_Section):
         if self.loss.tis_cap is not None and self.loss_name not in RATIO_LOSSES:
             key = "distill.loss" if self.loss_name != self.loss.name else "loss.name"
             raise ValueError(f"loss.tis_cap applies to ratio losses, not {key}={self.loss_name!r}")
+        if self.loss.ratio_mask != "none" and self.loss_name not in MASKABLE_LOSSES:
+            key = "distill.loss" if self.loss_name != self.loss.name else "loss.name"
+            raise ValueError(
+                f"loss.ratio_mask applies to the losses that weigh tokens by the ratio ({', '.join(sorted(MASKABLE_LOSSES))}), "
+                f"not {key}={self.loss_name!r}; set loss.ratio_mask=none"
+            )
         if self.distill.teacher is not None and self.launch.backend == "tinker":
             where = Path(self.distill.teacher).expanduser()
             if where.exists() or self.distill.teacher.startswith(("/", ".", "~", "http://", "https://")):

@@ -780,6 +780,7 @@ NO_UPDATE_KEYS = (
     "importance/ratio_min",
     "importance/ratio_max",
     "importance/clip_fraction",
+    "importance/masked_fraction",
     "importance/mismatch_kl",
     "importance/logprob_diff_mean",
 )

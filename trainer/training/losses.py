@@ -14,6 +14,12 @@ Departures from Tinker, all opt-in and off by default:
   instead, which is the same except for `dro`, whose quadratic term we also mask.
 - `gspo` over a sequence whose `sequence_mask_BT` marks no token: Tinker's mean over an empty set is NaN; here the
   sequence ratio is 1 (log-ratio 0), so such a sequence trains as on-policy PPO would.
+- `ratio_mask`: masking correction, as verl, SkyRL, TRL and NeMo-RL offer beside truncation. `token` leaves out of
+  the loss each trained token whose ratio r = exp(trainer - sampler) lies outside [mask_low, mask_high] (ICEPOP's
+  form); `sequence` leaves out every token of a sequence whose geometric-mean ratio (exp of the mean log-ratio over
+  its trained tokens) lies outside the bounds. A masked token is trained as one with advantage 0 would be: it still
+  counts in the mean reductions' denominators (BatchScale), its gradient is 0. The importance metrics describe
+  every trained token, masked or not; `importance/masked_tokens` counts those masked.
 - `stable_reinforce`: Tinker publishes its name, its `kl_coeff` and that it reads what the sampler recorded, not its
   objective. Ours is REINFORCE with the importance weight truncated at 1 (V-trace's rho-bar = 1) plus kl_coeff times
   the k3 estimate of KL(sampler || trainer): -sg(min(r, 1)) * A * lp + kl_coeff * (r - 1 - log r). On-policy (r = 1)
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -36,6 +42,10 @@ LossName = Literal[
 Reduction = Literal["sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
 
 RATIO_LOSSES: frozenset[str] = frozenset({"importance_sampling", "ppo", "cispo", "grpo"})
+RatioMask = Literal["none", "sequence", "token"]
+# Losses whose per-token terms weigh tokens by the trainer/sampler ratio: what a ratio mask can correct.
+MASKABLE_LOSSES: frozenset[str] = RATIO_LOSSES | {"gspo", "stable_reinforce"}
+DEFAULT_MASK_BOUNDS = (0.5, 2.0)  # ours: a token (or sequence) twice as likely, or half, under the trainer
 
 # Tinker's defaults for `loss_fn_config` (clip thresholds are bounds on the ratio, not epsilons). Tinker's GSPO page
 # writes the clip as PPO's, clip(s, 1 - eps_low, 1 + eps_high), without numbers: PPO's bounds are our reading.
@@ -60,6 +70,9 @@ class LossParams:
     beta: float = DEFAULT_DRO_BETA  # dro only
     tis_cap: float | None = None  # truncated-IS cap on the ratio, ratio losses only
     kl_coeff: float = DEFAULT_KL_COEFF  # stable_reinforce only: weight of the KL(sampler || trainer) penalty
+    ratio_mask: RatioMask = "none"  # leave out tokens (or whole sequences) whose ratio is outside the bounds
+    mask_low: float = DEFAULT_MASK_BOUNDS[0]
+    mask_high: float = DEFAULT_MASK_BOUNDS[1]
 
     def clip_bounds(self) -> tuple[float, float]:
         low, high = DEFAULT_CLIP.get(self.name, (0.0, float("inf")))
@@ -151,6 +164,36 @@ def _sequence_ratio(inputs: LossInputs) -> torch.Tensor:
     return torch.exp(seq_log_ratio_B1 + own_BT - own_BT.detach())
 
 
+def ratio_kept(inputs: LossInputs, params: LossParams) -> torch.Tensor | None:
+    """Which trained tokens the ratio mask keeps ([B, T] bool), or None without a mask. Computed without gradient
+    from the detached log-ratio, in float64 so that a bound is applied the same way whatever the logprobs' dtype."""
+    if params.ratio_mask == "none":
+        return None
+    trained_BT = inputs.mask_BT != 0
+    diff_BT = (inputs.trainer_logprobs_BT.detach() - inputs.sampler_logprobs_BT).double()
+    log_ratio_BT = torch.where(trained_BT, diff_BT, torch.zeros_like(diff_BT))
+    low, high = math.log(params.mask_low), math.log(params.mask_high)
+    if params.ratio_mask == "token":
+        return trained_BT & (log_ratio_BT >= low) & (log_ratio_BT <= high)
+    mean_B1 = log_ratio_BT.sum(1, keepdim=True) / trained_BT.sum(1, keepdim=True).clamp_min(1)
+    return trained_BT & (mean_B1 >= low) & (mean_B1 <= high)
+
+
+def _check_params(params: LossParams) -> None:
+    if params.tis_cap is not None and params.name not in RATIO_LOSSES:
+        raise ValueError(f"tis_cap applies to ratio losses {sorted(RATIO_LOSSES)}, not {params.name!r}")
+    if not (math.isfinite(params.kl_coeff) and params.kl_coeff >= 0):
+        raise ValueError(f"kl_coeff must be a finite number >= 0, got {params.kl_coeff!r}")
+    if params.ratio_mask != "none":
+        if params.name not in MASKABLE_LOSSES:
+            raise ValueError(f"ratio_mask applies to {sorted(MASKABLE_LOSSES)}, not {params.name!r}")
+        if not 0 < params.mask_low < 1 < params.mask_high < math.inf:
+            raise ValueError(
+                f"ratio_mask bounds must satisfy 0 < mask_low < 1 < mask_high, got [{params.mask_low}, "
+                f"{params.mask_high}]"
+            )
+
+
 def _per_token_loss(inputs: LossInputs, params: LossParams, ratio_BT: torch.Tensor) -> torch.Tensor:
     mask_BT = inputs.mask_BT
     trainer_lp_BT = _where_mask(mask_BT, inputs.trainer_logprobs_BT)
@@ -186,24 +229,31 @@ def compute_loss(inputs: LossInputs, params: LossParams) -> tuple[torch.Tensor, 
     `importance/ratio_sum`, `importance/ratio_min`, `importance/ratio_max`, `importance/clipped_tokens`,
     `importance/mismatch_kl_sum`, `importance/abs_logprob_diff_sum`, `tokens/trained`, `loss/sum`.
     """
-    if params.tis_cap is not None and params.name not in RATIO_LOSSES:
-        raise ValueError(f"tis_cap applies to ratio losses {sorted(RATIO_LOSSES)}, not {params.name!r}")
-    if not (math.isfinite(params.kl_coeff) and params.kl_coeff >= 0):
-        raise ValueError(f"kl_coeff must be a finite number >= 0, got {params.kl_coeff!r}")
-    ratio_BT, used_ratio_BT = _ratio(inputs, params.tis_cap)
+    _check_params(params)
+    ratio_BT, _ = _ratio(inputs, params.tis_cap)  # over every trained token: what the metrics describe
+    kept_BT = ratio_kept(inputs, params)
+    trained = inputs
+    if kept_BT is not None:
+        # gspo's sequence ratio still averages the tokens it would without the mask.
+        seq_mask_BT = inputs.mask_BT if inputs.sequence_mask_BT is None else inputs.sequence_mask_BT
+        masked_BT = torch.where(kept_BT, inputs.mask_BT, torch.zeros_like(inputs.mask_BT))
+        trained = replace(inputs, mask_BT=masked_BT, sequence_mask_BT=seq_mask_BT)
+    _, used_ratio_BT = _ratio(trained, params.tis_cap)
     clip_ratio_BT = ratio_BT  # the ratio the clip bounds are compared with, for the clipped-token count
     if params.name == "gspo":
-        used_ratio_BT = _sequence_ratio(inputs)
-        clip_ratio_BT = used_ratio_BT.detach()
-    per_token_BT = _per_token_loss(inputs, params, used_ratio_BT)
+        used_ratio_BT = _sequence_ratio(trained)
+        clip_ratio_BT = _sequence_ratio(inputs).detach()
+    per_token_BT = _per_token_loss(trained, params, used_ratio_BT)
     # mask_BT doubles as Tinker's `weights` (cross_entropy); RL batches carry 0/1 masks.
-    weighted_BT = per_token_BT * _where_mask(inputs.mask_BT, inputs.mask_BT.to(per_token_BT.dtype))
+    weighted_BT = per_token_BT * _where_mask(trained.mask_BT, trained.mask_BT.to(per_token_BT.dtype))
     loss = (
-        weighted_BT * _where_mask(inputs.mask_BT, inputs.reduction_weights_BT.to(per_token_BT.dtype))
+        weighted_BT * _where_mask(trained.mask_BT, trained.reduction_weights_BT.to(per_token_BT.dtype))
     ).sum()
     metrics = _compute_metrics(
         inputs, params, ratio_BT.detach(), weighted_BT.detach(), clip_ratio_BT.detach()
     )
+    if kept_BT is not None:
+        metrics["importance/masked_tokens"] = float(((inputs.mask_BT != 0) & ~kept_BT).sum().item())
     return loss, metrics
 
 
@@ -273,6 +323,7 @@ def finalize_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
         "importance/ratio_min": min(mins) if mins else float("nan"),
         "importance/ratio_max": max(maxs) if maxs else float("nan"),
         "importance/clip_fraction": _sum("importance/clipped_tokens") / denom,
+        "importance/masked_fraction": sum(p.get("importance/masked_tokens", 0.0) for p in parts) / denom,
         "importance/mismatch_kl": _sum("importance/mismatch_kl_sum") / denom,
         "importance/logprob_diff_mean": _sum("importance/abs_logprob_diff_sum") / denom,
     }

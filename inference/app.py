@@ -627,7 +627,7 @@ def policy_routes(gw: Gateway) -> APIRouter:
             req = ExpectRequest.model_validate(await json_object(request))
         except ValidationError as exc:
             raise BackendError(400, validation_message(exc)) from exc
-        gw.gate.set_quota(req.quota, req.refill_s, req.env_quotas)
+        gw.gate.set_quota(req.quota, req.refill_s, req.env_quotas, req.hold_s)
         if req.version > registry.current.version:
             gw.gate.close(req.version, req.hold_s)
             return ExpectResponse(holding_for=req.version)
@@ -679,6 +679,7 @@ def policy_routes(gw: Gateway) -> APIRouter:
             gate_holding=gw.gate.holding,
             gate_held_total=gw.gate.held_total,
             gate_expired_total=gw.gate.expired_total,
+            gate_deadline_passes_total=gw.gate.deadline_passes_total,
             gate_refills_total=gw.gate.refills_total,
             gate_carried_total=gw.gate.carried_total,
             gate_continuations_total=gw.gate.continuations_total,

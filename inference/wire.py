@@ -419,6 +419,7 @@ class PolicyStatus(BaseModel):
     gate_holding: int = 0
     gate_held_total: int = 0
     gate_expired_total: int = 0
+    gate_deadline_passes_total: int = 0  # requests served on the current version because their hold ran out
     gate_refills_total: int = 0  # times requests over the quota went through on the current version after all
     gate_carried_total: int = (
         0  # sequences taken off a version's quota for what the one before started beyond it

@@ -20,6 +20,10 @@ as stale at max_staleness 0).
   environment of the quotas count against the batch's. Only the trainer knows which environment is short of its
   share (it reads run-api's queue): it asks for that environment's refill (`refill_envs`), and the timed refill
   lifts the batch's quota alone. Refilling every environment would start the others' extra groups on the version.
+- **Every hold has a deadline.** A request waits at most `hold_s` (the trainer's `publish.gate_hold_s`, carried by
+  each close and quota) from its arrival, whatever holds it: a closed gate, the quota, or one after the other. Past
+  it the request goes through on the current version and is counted (`deadline_passes_total`): a trainer or
+  environment that never moves again costs its environments a bounded wait, never a hang.
 - **Continuations pass.** A request that continues an episode (its prompt starts with a turn the gateway sampled:
   the app asks the ledger, inference/policy/registry.py VersionLedger.continued) neither waits nor counts against
   the quota: the episode was admitted with its first turn. Held at a closed gate, its later turns would be sampled
@@ -32,6 +36,7 @@ Pure asyncio, no I/O.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +44,10 @@ from dataclasses import dataclass
 
 log = logging.getLogger("inference.gate")
 MAX_SEEN_ENVS = 256  # environment names counted for GET /policy: a client naming endless ones grows nothing
+DEADLINE_LOG_EVERY_S = 30.0
+DEFAULT_HOLD_S = (
+    120.0  # a request's longest wait before the trainer has said otherwise (publish.gate_hold_s's default)
+)
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,7 @@ class Gate:
         self.quota: int | None = None
         self.env_quotas: dict[str, int] = {}
         self.refill_s = 1.0
+        self.hold_s = DEFAULT_HOLD_S  # the longest any request waits, from its arrival
         self._allowed: int | None = None
         self._started = 0
         self._allowed_env: dict[str, int] = {}  # per environment of env_quotas, as _allowed for the batch
@@ -83,6 +93,10 @@ class Gate:
         # Sequences taken off a version's quota for what the one before started beyond it.
         self.carried_total = 0
         self.continuations_total = 0
+        self.deadline_passes_total = (
+            0  # requests let through on the current version because their hold_s ran out
+        )
+        self._deadline_logged_at = float("-inf")
 
     @property
     def waiting_for(self) -> int | None:
@@ -98,11 +112,17 @@ class Gate:
         return {**self._seen_env, "": self._started - sum(self._seen_env.values())}
 
     def set_quota(
-        self, sequences: int | None, refill_s: float, env_quotas: dict[str, int] | None = None
+        self,
+        sequences: int | None,
+        refill_s: float,
+        env_quotas: dict[str, int] | None = None,
+        hold_s: float | None = None,
     ) -> None:
         """From the next opening on, allow `sequences` per version (None: no quota), and each environment of
-        `env_quotas` its own number."""
+        `env_quotas` its own number; requests arriving from now on wait at most `hold_s` (None: as before)."""
         self.quota, self.refill_s = sequences, refill_s
+        if hold_s is not None:
+            self.hold_s = hold_s
         self.env_quotas = dict(env_quotas or {}) if sequences is not None else {}
 
     def close(self, version: int, hold_s: float) -> None:
@@ -113,6 +133,7 @@ class Gate:
             self._held = self._holding_now  # those over the quota were already held for this version
             self._continued = 0
         self._waiting_for = version
+        self.hold_s = hold_s
         self._cancel_refill()
         if self._deadline is not None:
             self._deadline.cancel()
@@ -195,6 +216,7 @@ class Gate:
             self._start(n, env)
             return 0.0
         started = time.monotonic()
+        deadline = started + self.hold_s
         self._held += 1
         self.held_total += 1
         self._holding_now += 1
@@ -211,7 +233,12 @@ class Gate:
                         counted = (env if env in self._allowed_env else None, n)
                         self._count_over(*counted)
                         self.request_done()  # nothing may be running to end and trigger the refill
-                    await self._cond.wait()
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self._pass_by_deadline(n, env)
+                        break
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._cond.wait(), remaining)
                 self._start(n, env)
         finally:
             self._holding_now -= 1
@@ -220,6 +247,23 @@ class Gate:
             held = time.monotonic() - started
             self.hold_s_total += held
         return held
+
+    def _pass_by_deadline(self, n: int, env: str | None) -> None:
+        self.deadline_passes_total += 1
+        now = time.monotonic()
+        if now - self._deadline_logged_at < DEADLINE_LOG_EVERY_S:
+            return  # a dead trainer lets every request through this way: one line per interval says it
+        self._deadline_logged_at = now
+        why = f"version {self._waiting_for} not published" if self._waiting_for is not None else "the quota"
+        log.warning(
+            "on-policy gate: a request for %d sequence(s)%s waited its %.3gs (%s); serving it on the current "
+            "version (%d so far; is the trainer alive? read its log)",
+            n,
+            f" from {env}" if env else "",
+            self.hold_s,
+            why,
+            self.deadline_passes_total,
+        )
 
     def _count_over(self, env: str | None, n: int) -> None:
         self._over_quota += n

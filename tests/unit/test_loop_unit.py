@@ -70,7 +70,9 @@ def test_any_env_file_runs_through_the_upstream_runner(tmp_path):
     # The runner passes on only the flags the file's config class declares (environments/upstream).
     assert argv[1:5] == ["-m", "environments.upstream", str(env_file), "serve"]
     assert "--env.temperature=1.0" in argv
-    with pytest.raises(ConfigError, match="unknown environment"):
+    with pytest.raises(
+        ConfigError, match=r"unknown environment 'nope': built-in ones are \['gsm8k', 'toy'\]"
+    ):
         env_command(load_config(RunConfig, None, ["rollout.env=nope"]), "/m", 0)
 
 
@@ -283,3 +285,24 @@ def test_a_multi_turn_sequence_gets_its_oldest_turns_version():
     assert len(asked) == 1 and len(asked[0]) == 4 + 3  # one lookup: 4 sequences and 3 earlier turns
     # Masks missing or of another length (a malformed group, dropped later): the sequence's own version only.
     assert versions_by_group(Ledger(), [{"tokens": [multi], "masks": [[P]]}]) == [[5]]  # type: ignore[arg-type]
+
+
+def test_a_recipe_files_output_dir_names_each_launchs_folder(tmp_path):
+    import yaml
+
+    from trainer.orchestration.launcher import ROOT, parse_args, resolve_run
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"trainer": {"output_dir": str(tmp_path / "mine")}}))
+    _, run_dir = resolve_run(parse_args(["toy", "--config", str(recipe)]))
+    assert run_dir.name.startswith("mine-") and run_dir.parent == tmp_path
+    recipe.write_text(yaml.safe_dump({"trainer": {"output_dir": "runs/nightly"}}))
+    _, run_dir = resolve_run(parse_args(["toy", "--config", str(recipe)]))
+    assert run_dir.parent == ROOT / "runs" and run_dir.name.startswith("nightly-")
+    recipe.write_text(yaml.safe_dump({"rollout": {"num_steps": 3}}))
+    _, run_dir = resolve_run(parse_args(["toy", "--config", str(recipe)]))
+    assert run_dir.name.startswith("toy-")
+    _, run_dir = resolve_run(
+        parse_args(["toy", "--config", str(recipe), f"trainer.output_dir={tmp_path / 'x'}"])
+    )
+    assert run_dir == tmp_path / "x"

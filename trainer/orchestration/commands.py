@@ -69,12 +69,22 @@ def resolve_env_module(env: str, where: str = "rollout.env") -> list[str]:
         if not path.is_file():
             raise ConfigError(f"{where}={env!r}: no such environment file")
         return [PY, "-m", "environments.upstream", str(path.resolve())]
-    if not (ROOT / "environments" / f"{env}.py").is_file():
-        names = sorted(p.stem for p in (ROOT / "environments").glob("*.py") if not p.stem.startswith("_"))
+    if env not in builtin_environments():
+        names = builtin_environments()
         raise ConfigError(
             f"{where}: unknown environment {env!r}: built-in ones are {names}, or pass a path to an env file"
         )
     return [PY, "-m", f"environments.{env}"]
+
+
+def builtin_environments() -> list[str]:
+    """The environments/ modules that run as an environment (`python -m environments.<name>`): those with a main
+    block, not the code they share (environments/common.py)."""
+    return sorted(
+        p.stem
+        for p in (ROOT / "environments").glob("*.py")
+        if not p.stem.startswith("_") and 'if __name__ == "__main__"' in p.read_text()
+    )
 
 
 def verifiers_target(env: str, where: str) -> str:

@@ -72,8 +72,10 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     named = [f"rollout.env={args.env}"] if args.env else []
     overrides = [*named, *args.overrides, f"launch.backend={args.backend}"]
     if not any(o.startswith("trainer.output_dir=") for o in args.overrides):
+        # A new folder per launch: the recipe's trainer.output_dir (else runs/<env>) with the time appended.
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        overrides.append(f"trainer.output_dir={RUNS / f'{Path(args.env or config).stem}-{stamp}'}")
+        stem = recipe_output_dir(config) or RUNS / Path(args.env or config).stem
+        overrides.append(f"trainer.output_dir={stem}-{stamp}")
     cfg = load_config(RunConfig, config, overrides)
     if args.env and cfg.rollout.envs:
         raise ConfigError(
@@ -87,6 +89,15 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
         )
     cfg.trainer.output_dir = str(run_dir)
     return cfg, run_dir
+
+
+def recipe_output_dir(config: Path) -> str | None:
+    """The trainer.output_dir a recipe file sets (relative to the project), if it sets one."""
+    data = yaml.safe_load(config.read_text()) or {}
+    value = (data.get("trainer") or {}).get("output_dir") if isinstance(data, dict) else None
+    if not isinstance(value, str) or not value:
+        return None
+    return value if Path(value).is_absolute() else str(ROOT / value)
 
 
 def gateway_section(cfg: RunConfig, model_path: str, address: dict[str, Any] | None = None) -> dict[str, Any]:

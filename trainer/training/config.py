@@ -160,7 +160,11 @@ class TrainerConfig(_Section):
     save_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="adapter dtype for the sampler; auto = bfloat16 on CUDA, float32 on CPU"
     )
-    output_dir: str = Field("runs/default", description="run folder: adapters/, checkpoints/, metrics.jsonl")
+    output_dir: str = Field(
+        "runs/default",
+        description="run folder: adapters/, checkpoints/, metrics.jsonl; launch.sh appends -<date>-<time> to a "
+        "recipe file's value (runs/<env> when the file sets none) and takes one given on the command line as it is",
+    )
     checkpoint_every: int = Field(
         10, ge=0, description="save optimizer+adapter state every N steps; 0 = never"
     )

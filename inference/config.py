@@ -4,6 +4,7 @@ from `main`, which validates a file and prints it with every default filled in (
 starts).
 
     python -m inference.config FILE|- [key=value ...]   # prints the validated section as JSON, exit 2 on errors
+    python -m inference.config --reference              # the section's reference tables as JSON (key, type, ...)
 
 FILE is the gateway's own file, or a whole run config (configs/*.yaml), whose `inference:` section is taken with
 `model` and `keep_versions` filled from `model.path` and `rollout.max_staleness` when unset (the rest as written:
@@ -162,7 +163,9 @@ class GatewayConfig(BaseModel):
     lease_ttl_s: float = Field(
         30.0, gt=0, description="an engine's lease lapses this long after the run's last renewal (a dead run)"
     )
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    vllm: VLLMConfig = Field(
+        default_factory=VLLMConfig, description="the vLLM server(s) the gateway starts and supervises (below)"
+    )
 
     @model_validator(mode="after")
     def _check_exposure(self) -> GatewayConfig:
@@ -258,6 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(__doc__, file=sys.stderr)
         return 2
+    if (
+        args[0] == "--reference"
+    ):  # the configuration reference's tables of this section (docs/configuration.md)
+        from dataclasses import asdict
+
+        from rlcommon.config_rows import tables
+
+        print(json.dumps([asdict(t) for t in tables(GatewayConfig, "inference.")]))
+        return 0
     try:
         cfg = load_gateway_config(args[0], args[1:])
     except (GatewayConfigError, OSError, yaml.YAMLError) as exc:

@@ -2,6 +2,7 @@
 
 python -m trainer run --config RUN_DIR/config.yaml                   # the training loop (launch.sh runs it)
 python -m trainer config --config configs/gsm8k.yaml optim.lr=2e-5   # print the resolved config (YAML)
+python -m trainer config-reference > docs/configuration.md          # regenerate the configuration reference
 python -m trainer tiny-model [--out DIR] [--seed N]                  # build/cache the offline tiny model
 python -m trainer summary RUN_DIR [RUN_DIR ...]                      # a run in a few lines
 python -m trainer report RUN_DIR                                     # one run's report, into RUN_DIR/report
@@ -31,6 +32,7 @@ TOOLS = {  # sub-command -> module whose main(argv) it runs
     "eval": "trainer.orchestration.eval_cli",
     "export": "trainer.export.cli",
     "serve": "trainer.export.serve",
+    "config-reference": "trainer.training.config_reference",
 }
 MOVED = {  # former sub-command -> the command that runs it now
     "bench": "python -m benchmarks trainer",

@@ -323,3 +323,14 @@ def test_checker_reports_broken_links_paths_and_unknown_keys(tmp_path: Path) -> 
         "'trainer.gone'",
     ):
         assert expected in joined, (expected, problems)
+
+
+def test_the_configuration_reference_is_what_the_generator_prints() -> None:
+    from trainer.training.config_reference import render, run_tables
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    generated = render(run_tables())
+    assert page == generated, (
+        "docs/configuration.md differs from the models: run `.venv/bin/python -m trainer config-reference > "
+        "docs/configuration.md` (descriptions are the fields' own; prose is in trainer/training/config_reference.py)"
+    )

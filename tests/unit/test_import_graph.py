@@ -25,9 +25,16 @@ BENCHMARKS_MAY_IMPORT = ("trainer.", "inference.wire")  # prefixes of module nam
 # orchestration: starting and supervising a run's processes (launch.sh's launcher, SLURM, pre-flight).
 # service: the local Tinker-protocol service, a process of its own that trains with the trainer's code.
 # readout: reading run folders and a service client's records (`python -m trainer summary|report`).
-TRAINER_ROLES = {"training", "backends", "orchestration", "service", "readout"}
+# export: taking a trained policy out of a run (`python -m trainer export|serve`).
+TRAINER_ROLES = {"training", "backends", "orchestration", "service", "readout", "export"}
 # What trainer.training may not import: the roles built on it (it would make the two folders depend on each other).
-ABOVE_TRAINING = {"trainer.backends", "trainer.orchestration", "trainer.service", "trainer.readout"}
+ABOVE_TRAINING = {
+    "trainer.backends",
+    "trainer.orchestration",
+    "trainer.service",
+    "trainer.readout",
+    "trainer.export",
+}
 # Orchestration starts and supervises a run, nothing else: benchmarks live in benchmarks/, readers in readout/.
 ORCHESTRATION_MODULES = {
     "__init__",

@@ -77,10 +77,10 @@ class LoraConfig(_Section):
 
 class OptimConfig(_Section):
     lr: float = Field(4e-5, gt=0, description="peak learning rate")
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     grad_clip_norm: float = Field(1.0, ge=0, description="global grad-norm clip; 0 = no clipping")
     warmup_steps: int = Field(
         0, ge=0, description="linear warmup from 0 to lr over this many optimizer steps"
@@ -229,8 +229,9 @@ class PublishConfig(_Section):
     verify_tolerance: float | None = Field(
         None,
         gt=0,
-        description="largest |vLLM - trainer| logprob accepted; None = 1e-3 when model, adapter and vLLM are "
-        "all float32, 0.1 with any bfloat16",
+        description="float32 end to end (model, adapter, vLLM): the largest |vLLM - trainer| logprob accepted; "
+        "with any bfloat16: the floor of the tolerance on the mean difference, which the gateway calibrates on the "
+        "base model; None = 1e-3 and 0.02",
     )
     verify_prompts: int = Field(
         4, ge=1, le=16, description="fixed probe prompts; the top-20 next-token logprobs of each are compared"

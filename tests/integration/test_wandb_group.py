@@ -32,7 +32,8 @@ from trainer.orchestration.evaluation import Evaluator
 from trainer.orchestration.processes import stop_all
 from trainer.training.checkpoints import adapter_dir
 from trainer.training.config import RunConfig, load_config
-from trainer.training.loop import MetricsWriter, RunApi, sampled_tokens, wait_for_batch
+from trainer.training.metrics_file import MetricsWriter
+from trainer.training.runapi_client import RunApi, sampled_tokens, wait_for_batch
 from trainer.training.wandb_group import wandb_group
 
 STEPS = 4

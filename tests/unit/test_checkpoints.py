@@ -18,8 +18,8 @@ from trainer.training.checkpoints import (
 )
 from trainer.training.config import RunConfig, load_config
 from trainer.training.faults import fault_counts
-from trainer.training.loop import RunApi
 from trainer.training.retries import ComponentDown, Edge, checked
+from trainer.training.runapi_client import RunApi
 
 
 def make_checkpoint(run: Path, step: int, version: int, loop_state: bool = True, latest: bool = True) -> None:

@@ -14,7 +14,7 @@ from trainer.orchestration.commands import build_components, env_command
 from trainer.orchestration.supervisor import progress_line
 from trainer.training.checkpoints import truncate_metrics
 from trainer.training.config import ConfigError, RunConfig, load_config
-from trainer.training.loop import split_by_staleness
+from trainer.training.staleness import split_by_staleness
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -161,7 +161,7 @@ def test_summary_idle_share_and_rewards():
 
 
 def test_metrics_writer_with_wandb_offline(tmp_path, monkeypatch):
-    from trainer.training.loop import MetricsWriter
+    from trainer.training.metrics_file import MetricsWriter
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -261,7 +261,7 @@ def test_a_multi_turn_sequence_gets_its_oldest_turns_version():
     5. The sequence counts as version 4 (so the staleness window sees it); single-turn sequences, a turn the ledger
     does not know, and an unknown whole sequence keep their own answer."""
     from trainer.training.batch import IGNORE_INDEX, earlier_turn_ends
-    from trainer.training.loop import ABANDONED, versions_by_group
+    from trainer.training.staleness import ABANDONED, versions_by_group
 
     P = IGNORE_INDEX
     multi = [1, 2, 3, 4, 5, 6, 7, 8]

@@ -79,12 +79,12 @@ def test_the_trainers_wandb_config_is_redacted(tmp_path: Path, monkeypatch):
     import sys
     import types
 
-    from trainer.training.loop import MetricsWriter
+    from trainer.training.metrics_file import MetricsWriter
 
     captured: dict = {}
     fake = types.SimpleNamespace(init=lambda **kw: captured.update(kw) or types.SimpleNamespace(log=None))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    monkeypatch.setattr("trainer.training.loop.current_mode", lambda: "offline")
+    monkeypatch.setattr("trainer.training.metrics_file.current_mode", lambda: "offline")
     cfg = load_config(
         RunConfig,
         None,

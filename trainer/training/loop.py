@@ -4,35 +4,30 @@ new adapter to the gateway, write one metrics.jsonl row per step, checkpoint eve
 
 Every batch run-api hands out is one step (run-api and the environments count steps that way); a step whose
 rollouts are all stale, malformed or zero-variance makes no update and publishes no new version, so the policy
-version can lag the step count. Pure helpers (staleness filter) are separate; the loop itself does the I/O.
+version can lag the step count. Its parts live beside it: run-api's client (runapi_client.py), the staleness split
+(staleness.py), batch conversion (batch.py), publishing (publishing.py), metrics.jsonl (metrics_file.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import signal
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from rlcommon.redaction import redact
 from trainer.training.backend import TeacherScoring, TrainingBackend
 from trainer.training.batch import (
     ConvertedBatch,
     IntakeOptions,
     TrainingExample,
     convert_batch,
-    earlier_turn_ends,
-    parse_batch_response,
     per_env_metrics,
 )
 from trainer.training.checkpoints import (
@@ -51,245 +46,16 @@ from trainer.training.config import RunConfig
 from trainer.training.distill import distill_examples
 from trainer.training.faults import fault_counts
 from trainer.training.gateway_client import ExpectResponse, GatewayClient, PolicyStatus
+from trainer.training.metrics_file import MetricsWriter
 from trainer.training.polling import wait_until
 from trainer.training.publishing import Publisher, PublishOutcome
 from trainer.training.refill import ShortRefill
-from trainer.training.retries import ComponentDown, Edge, checked, describe
+from trainer.training.retries import ComponentDown, describe
+from trainer.training.runapi_client import RunApi, Stopper, StopRequested, sampled_tokens, wait_for_batch
 from trainer.training.schedule import build_adam_params
-from trainer.training.wandb_group import TRAINER, current_mode, wandb_group, wandb_run_id
+from trainer.training.staleness import StalenessSplit, split_by_staleness, versions_by_group
 
 log = logging.getLogger("trainer.training.loop")
-
-
-@dataclass
-class StalenessSplit:
-    kept: list[Any]
-    staleness: list[int]  # per kept group
-    dropped_stale: int  # sequences
-    dropped_unknown: int  # sequences sampled by an abandoned policy, or unknown ones with keep_unknown off
-    kept_unknown: int = 0  # sequences the gateway never saw, trained under atroposlib's own lag bound
-    # (index in groups, "stale" or "unknown_version") of each group dropped for its policy version
-    dropped_groups: list[tuple[int, str]] = field(default_factory=list)
-    kept_staleness: list[list[int]] = field(default_factory=list)  # per kept group, its known sequences' lags
-
-
-ABANDONED = -1  # the gateway's lookup answer for a sequence sampled by a policy a rollback abandoned
-
-
-def split_by_staleness(
-    groups: list[Any],
-    versions: list[list[int | None]],
-    current: int,
-    max_staleness: int,
-    keep_unknown: bool = False,
-) -> StalenessSplit:
-    """Keep groups whose every sequence was sampled within `max_staleness` versions of `current`. A sequence the
-    gateway never saw (an environment that re-tokenized a multi-turn chat, say) is kept with `keep_unknown`: the
-    environment's max_batches_offpolicy still bounds its lag; one sampled by an abandoned policy never is."""
-    out = StalenessSplit([], [], 0, 0)
-    for index, (group, group_versions) in enumerate(zip(groups, versions)):
-        n = len(group_versions)
-        unknown = sum(v is None for v in group_versions)
-        if ABANDONED in group_versions or (unknown and not keep_unknown):
-            out.dropped_unknown += n
-            out.dropped_groups.append((index, "unknown_version"))
-            continue
-        known = [v for v in group_versions if v is not None]
-        lag = current - min(known, default=current)
-        if lag > max_staleness:
-            out.dropped_stale += n
-            out.dropped_groups.append((index, "stale"))
-            continue
-        out.kept.append(group)
-        out.kept_unknown += unknown
-        out.staleness.extend(current - v for v in known)
-        out.kept_staleness.append([current - v for v in known])
-    return out
-
-
-MAX_REREGISTRATIONS = 5
-
-
-class RunApi:
-    """Atropos's run-api, as the trainer uses it. Calls are retried through transient failures; a run-api that
-    answers "not registered" was restarted (by the launcher) and is registered with again at the current step."""
-
-    def __init__(self, cfg: RunConfig, url: str, log: str):
-        self.cfg = cfg
-        self.edge = Edge("run-api", url, log, cfg.trainer.retry_budget_s)
-        self._http = httpx.Client(base_url=url, timeout=cfg.trainer.request_timeout_s)
-        self.step = 0  # where a re-registration starts; the loop keeps it current
-        self.reregistrations = 0
-        self.unanswered = 0  # re-registrations in a row that run-api did not take
-        self._env_names: dict[int, str] = {}
-
-    def register(self, starting_step: int) -> None:
-        self.step = starting_step
-        cfg = self.cfg
-        body = {
-            "wandb_group": wandb_group(Path(cfg.trainer.output_dir)),  # the environments' W&B runs join it
-            "wandb_project": cfg.launch.wandb_project,
-            "batch_size": cfg.rollout.batch_size,
-            # -1: atroposlib drops a whole group when any sequence reaches max_token_len, which a completion cut
-            # at the environment's own budget does. The trainer applies its limit per sequence instead
-            # (trainer.max_seq_len, trainer.overlong), so nothing the environment scored is lost whole.
-            "max_token_len": -1,
-            "checkpoint_dir": str(Path(cfg.trainer.output_dir) / "checkpoints"),
-            "save_checkpoint_interval": cfg.trainer.checkpoint_every,
-            "starting_step": starting_step,
-            "num_steps": cfg.rollout.num_steps,
-        }
-        self.edge.call(lambda: checked(self._http.post("/register", json=body)), "/register")
-
-    def fetch_batch(self) -> list[Any] | None:
-        body = self.edge.call(lambda: checked(self._http.get("/batch")), "/batch").json()
-        if (
-            isinstance(body, dict)
-            and body.get("status") == "error"
-            and "register" in str(body.get("message"))
-        ):
-            self.unanswered += 1
-            if self.unanswered > MAX_REREGISTRATIONS:
-                # run-api keeps its first state: one that got data before any registration never takes one.
-                raise RuntimeError(
-                    f"run-api at {self.edge.url} still answers 'not registered' after {MAX_REREGISTRATIONS} "
-                    "registrations; its state is broken (data arrived before the trainer registered). "
-                    f"Read {self.edge.log}; a restart of run-api (with the trainer) clears it"
-                )
-            log.warning(
-                "run-api has no registration (it was restarted); registering again at step %d", self.step
-            )
-            self.reregistrations += 1
-            self.register(self.step)
-            return None
-        self.unanswered = 0
-        return parse_batch_response(body)
-
-    def env_names(self, groups: list[Any]) -> dict[int, str]:
-        """run-api env id -> environment name for a mixed run (its run-api's GET /envs; the launcher names each
-        process `<name>-<worker>`). Asked again only when a batch holds an id not seen yet (a restarted
-        environment registers under a new one); an unanswered ask leaves those groups unnamed."""
-        ids = {g.get("env_id") for g in groups if isinstance(g, dict)}
-        if not ids <= self._env_names.keys():
-            try:
-                body = checked(self._http.get("/envs")).json()
-                self._env_names = {e["env_id"]: str(e["name"]).rsplit("-", 1)[0] for e in body["envs"]}
-            except (httpx.HTTPError, ComponentDown, ValueError, KeyError, TypeError) as exc:
-                log.warning("run-api did not name its environments (GET /envs): %s", exc)
-        return self._env_names
-
-    def queued_by_env(self) -> dict[str, int] | None:
-        """A mixed run: the sequences run-api has queued from each connected environment (its workers summed);
-        None when run-api does not answer."""
-        try:
-            envs = checked(self._http.get("/envs")).json()["envs"]
-            out: dict[str, int] = {}
-            for e in envs:
-                if e["connected"]:
-                    name = str(e["name"]).rsplit("-", 1)[0]
-                    out[name] = out.get(name, 0) + int(e["queued_sequences"])
-            return out
-        except (httpx.HTTPError, ComponentDown, ValueError, KeyError, TypeError) as exc:
-            log.warning("run-api did not report its environments' queues (GET /envs): %s", exc)
-            return None
-
-    def shortfalls(self) -> dict[str, float]:
-        """A mixed run's `rollouts/<env>/short_batches` and `.../shortfall_sequences`: batches run-api formed
-        without an environment's full share after rollout.mix_wait_s (trainer/orchestration/run_api.py), and the
-        sequences it fell short by, counted since run-api started. Empty when run-api does not answer."""
-        out: dict[str, float] = {}
-        try:
-            envs = checked(self._http.get("/envs")).json()["envs"]
-            for e in envs:
-                name = str(e["name"]).rsplit("-", 1)[0]
-                for key in ("short_batches", "shortfall_sequences"):
-                    out[f"rollouts/{name}/{key}"] = out.get(f"rollouts/{name}/{key}", 0.0) + float(e[key])
-        except (httpx.HTTPError, ComponentDown, ValueError, KeyError, TypeError) as exc:
-            log.warning("run-api did not report its environments' shortfall (GET /envs): %s", exc)
-        return out
-
-
-class MetricsWriter:
-    """metrics.jsonl, and with launch.wandb the trainer's run of the run's W&B group (trainer.training.wandb_group;
-    the evaluations have a run of their own there, written by the launcher)."""
-
-    def __init__(self, path: Path, use_wandb: bool, cfg: RunConfig):
-        self.path = path
-        self._wandb = None
-        if use_wandb:
-            import wandb
-
-            # Online with a W&B login, else offline under RUN_DIR/wandb, unless WANDB_MODE says otherwise.
-            run_dir = path.parent
-            self._wandb = wandb.init(
-                project=cfg.launch.wandb_project,
-                group=wandb_group(run_dir),
-                job_type=TRAINER,
-                name=f"{wandb_group(run_dir)}-{TRAINER}",
-                id=wandb_run_id(run_dir, TRAINER),
-                dir=str(run_dir),
-                mode=current_mode(),  # type: ignore[arg-type]
-                config=redact(cfg.model_dump(mode="json")),  # W&B uploads it: tokens and keys hidden
-                resume="allow",
-                reinit="create_new",  # beside any other run of this process
-            )
-
-    def write(self, row: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if v is not None}, step=row["step"])
-
-    def close(self) -> None:
-        if self._wandb is not None:
-            self._wandb.finish()
-
-
-class StopRequested(Exception):
-    """SIGTERM arrived while the trainer was between steps."""
-
-
-class Stopper:
-    """SIGTERM (the launcher stopping the run) ends the loop at the next step boundary, where the state on disk
-    and in memory agree, so the final checkpoint is exact; a step under way is finished first."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_signal)
-
-    def _on_signal(self, signum: int, _: Any) -> None:
-        log.warning("signal %d: stopping after the current step with a final checkpoint", signum)
-        self.requested = True
-
-    def check(self) -> None:
-        if self.requested:
-            raise StopRequested
-
-
-def wait_for_batch(
-    api: RunApi,
-    poll_s: float,
-    stopper: Stopper | None = None,
-    meanwhile: Callable[[], None] | None = None,
-) -> list[Any]:
-    """The next batch, however long the environments take to fill it (or until a stop is requested); `meanwhile`
-    runs before each poll."""
-
-    def ready() -> list[Any] | None:
-        if stopper is not None:
-            stopper.check()
-        if meanwhile is not None:
-            meanwhile()
-        return api.fetch_batch()
-
-    return wait_until(ready, None, "a batch from run-api", poll_s)
-
-
-def sampled_tokens(groups: list[Any]) -> int:
-    return sum(sum(1 for m in row if m != -100) for g in groups for row in g.get("masks", []))
 
 
 def require_endpoints(cfg: RunConfig) -> None:
@@ -628,37 +394,6 @@ def _ensure_gateway_policy(
     adapter = str(adapter_dir(run_dir, state.version)) if state.version > 0 else None
     publisher.republish(state.version, adapter)
     return status
-
-
-def versions_by_group(gateway: GatewayClient, groups: list[Any]) -> list[list[int | None]]:
-    """The policy version that sampled each sequence, grouped like `groups` (one gateway lookup per batch). A
-    multi-turn sequence gets its oldest turn's version: an episode can span a publish, and then its earlier turns were
-    sampled by the version before. Each earlier turn is looked up as the prefix that ends with its reply; a prefix the
-    ledger does not know (a re-tokenized turn) leaves the sequence's own version."""
-    sequences = [list(seq) for g in groups for seq in g.get("tokens", [])]
-    masks = [
-        (g.get("masks") or [])[k] if k < len(g.get("masks") or []) else None
-        for g in groups
-        for k in range(len(g.get("tokens", [])))
-    ]
-    queries, turns = list(sequences), []
-    for i, (seq, mask) in enumerate(zip(sequences, masks, strict=True)):
-        if isinstance(mask, list) and len(mask) == len(seq):
-            for end in earlier_turn_ends(mask):
-                turns.append((i, len(queries)))
-                queries.append(seq[:end])
-    answers = gateway.lookup(queries)
-    flat = answers[: len(sequences)]
-    for i, q in turns:
-        own, turn = flat[i], answers[q]
-        if own is not None and turn is not None:
-            flat[i] = min(own, turn)  # ABANDONED (-1) wins, as it should
-    versions, i = [], 0
-    for g in groups:
-        n = len(g.get("tokens", []))
-        versions.append(flat[i : i + n])
-        i += n
-    return versions
 
 
 @dataclass

@@ -500,3 +500,105 @@ def test_the_dry_run_prints_the_checkpointing_choice_and_the_config_carries_it(t
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "gradient checkpointing auto:" in x)
     assert "the least that fits" in line and "no checkpointing would need" in line, line
+
+
+def build_moe_backend(cfg: RunConfig, shape: dict[str, Any]) -> tuple[LocalBackend, dict[str, Any]]:
+    """A random Qwen3-MoE (transformers' fused experts) of `shape` with E experts, top-k, expert width Ie."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=shape["V"],
+        hidden_size=shape["h"],
+        intermediate_size=shape["I"],
+        moe_intermediate_size=shape["Ie"],
+        num_experts=shape["E"],
+        num_experts_per_tok=shape["k"],
+        num_hidden_layers=shape["L"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv"],
+        head_dim=shape["h"] // shape["heads"],
+        tie_word_embeddings=False,
+        max_position_embeddings=1024,
+    )
+    model = Qwen3MoeForCausalLM(config).to(getattr(torch, cfg.model.dtype))
+    return LocalBackend(cfg, model=model), config.to_dict()
+
+
+MOE = {**BASE, "h": 128, "I": 512, "Ie": 192, "E": 16, "k": 2, "L": 2, "heads": 4, "kv": 2, "B": 2, "T": 128}
+
+
+def test_moe_weights_adapter_and_adam_parts_are_exact(tmp_path):
+    """The experts counted: the base's parameters, PEFT's LoRA on the fused experts (gate_up at rank 2r, down,
+    the router) and its Adam state, as a Qwen3-MoE built by transformers holds them."""
+    cfg = small_cfg(tmp_path, MOE)
+    backend, config = build_moe_backend(cfg, MOE)
+    adam = AdamParams(
+        learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=1.0
+    )
+    backend.train_step(full_packed_batch(MOE, 0), cfg.loss.params(), "sum", adam)
+    shape = ModelShape.from_config(config)
+    assert shape.experts is not None and shape.experts.layers == MOE["L"] and shape.dense_layers == 0
+    plan, _ = build_trainer_plan(shape, cfg, on_cuda=False)
+    parts = {p.name: p.bytes for p in plan.parts}
+    base = sum(p.numel() * p.element_size() for p in backend.model.parameters() if not p.requires_grad)
+    lora = sum(p.numel() * p.element_size() for p in backend.model.parameters() if p.requires_grad)
+    adam_state = sum(
+        t.numel() * t.element_size()
+        for s in backend.optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )
+    assert parts["base weights (float32)"] == base
+    assert parts["LoRA parameters (float32)"] == lora
+    assert parts["Adam moments (2 x float32)"] == adam_state
+
+
+@pytest.mark.parametrize("gc", [False, True], ids=["no-checkpointing", "checkpointing"])
+def test_moe_activation_peak_matches_cpu_measurement(tmp_path, gc):
+    """What PEFT's LoRA on fused experts keeps for backward (every expert's W + delta W, per layer) is in the plan."""
+    cfg = small_cfg(tmp_path, MOE, gc=gc)
+    backend, config = build_moe_backend(cfg, MOE)
+    examples = full_packed_batch(MOE, 0)
+    loss = cfg.loss.params()
+    backend.forward_backward(examples, loss)
+    backend.optimizer.zero_grad(set_to_none=True)
+    measured = cpu_peak_bytes(lambda: backend.forward_backward(examples, loss))
+    shape = ModelShape.from_config(config)
+    act = compute_activation_bytes(shape, cfg, 4, cfg.model.recomputed_layers(shape.layers, on_cuda=False))
+    predicted = max(act["layers"], act["logprobs"]) + 4 * lora_parameter_count(shape, cfg)[0]
+    error = predicted / measured - 1
+    print(
+        f"moe gc={gc}: measured {measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB ({error:+.1%})"
+    )
+    assert abs(error) < 0.15, f"measured {measured}, predicted {predicted} ({error:+.1%})"
+
+
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B's config.json, the keys the plan reads
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_qwen3_30b_a3b_is_counted_with_its_experts():
+    """30,532,122,624 parameters (the model card's 30.5B); the experts' LoRA buffers in every vLLM slot."""
+    shape = ModelShape.from_config(QWEN3_30B_A3B)
+    assert shape.parameter_count() == 30_532_122_624
+    assert shape.mlp_width == 8 * 768
+    dense = ModelShape.from_config({**QWEN3_30B_A3B, "num_experts": 0})
+    assert dense.parameter_count() < 4e9  # what the plan counted before it knew experts

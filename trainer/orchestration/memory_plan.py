@@ -44,6 +44,67 @@ VLLM_GRAPH_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP, as its config.json describes it (Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3 keys)."""
+
+    count: int  # routed experts in each MoE layer
+    per_token: int  # experts each token goes through
+    intermediate: int  # each expert's MLP width
+    layers: int  # decoder layers whose MLP is the experts (the rest are dense)
+    shared_intermediate: int = 0  # the always-on shared expert's MLP width (Qwen2-MoE, DeepSeek)
+    shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert
+
+    @classmethod
+    def from_config(cls, text: dict[str, Any], layers: int) -> Experts | None:
+        count = int(
+            text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0
+        )
+        if count <= 1:
+            return None
+        model_type = str(text.get("model_type", ""))
+        step = int(text.get("decoder_sparse_step") or 1)
+        dense = set(text.get("mlp_only_layers") or [])
+        first_dense = int(text.get("first_k_dense_replace") or 0)
+        moe_layers = sum(1 for i in range(first_dense, layers) if i not in dense and (i + 1) % step == 0)
+        width = int(text.get("moe_intermediate_size") or text["intermediate_size"])
+        shared = (
+            int(text.get("shared_expert_intermediate_size") or 0)
+            + int(text.get("n_shared_experts") or 0) * width
+        )
+        return cls(
+            count=count,
+            per_token=int(text.get("num_experts_per_tok") or 1),
+            intermediate=width,
+            layers=moe_layers,
+            shared_intermediate=shared,
+            shared_gate=model_type == "qwen2_moe" and shared > 0,
+        )
+
+    def layer_parameters(self, hidden: int) -> int:
+        """One MoE layer's MLP: the experts, the router, the shared expert and its gate."""
+        experts = self.count * 3 * hidden * self.intermediate + self.count * hidden
+        return experts + 3 * hidden * self.shared_intermediate + (hidden if self.shared_gate else 0)
+
+    def lora_parameters(self, hidden: int, rank: int, mlp_targets: set[str]) -> tuple[int, int]:
+        """(parameters, tensors) of PEFT's LoRA on one layer's fused experts: gate_up_proj [E, 2I, H] at rank 2r
+        (PEFT doubles it), down_proj [E, H, I] at r, each expert a block of A and B, and the router at r."""
+        e, i, params, tensors = self.count, self.intermediate, 0, 0
+        if {"gate_proj", "up_proj"} & mlp_targets:
+            params, tensors = params + e * 2 * rank * (hidden + 2 * i), tensors + 2
+        if "down_proj" in mlp_targets:
+            params, tensors = params + e * rank * (i + hidden), tensors + 2
+        if mlp_targets:
+            params, tensors = params + rank * (hidden + e), tensors + 2
+        return params, tensors
+
+    def merged_weight_bytes(self, hidden: int) -> int:
+        """What PEFT's LoRA on fused experts keeps for backward per layer: each expert's W + delta W, materialised
+        for all experts at once, in float32 (the LoRA weights' dtype), gate_up and down (measured on a tiny
+        Qwen3-MoE with saved-tensor hooks: exactly these two tensors per layer)."""
+        return self.count * 3 * hidden * self.intermediate * 4
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What memory depends on in a decoder-only transformer's config.json."""
 
@@ -59,6 +120,7 @@ class ModelShape:
     qk_norm: bool = False
     max_positions: int | None = None
     dtype: str | None = None  # torch_dtype/dtype in config.json: what vLLM's --dtype auto serves
+    experts: Experts | None = None  # a mixture-of-experts MLP (None: dense)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -68,10 +130,11 @@ class ModelShape:
         heads = int(text["num_attention_heads"])
         hidden = int(text["hidden_size"])
         model_type = str(text.get("model_type", ""))
+        layers = int(text["num_hidden_layers"])
         return cls(
             hidden=hidden,
             intermediate=int(text["intermediate_size"]),
-            layers=int(text["num_hidden_layers"]),
+            layers=layers,
             heads=heads,
             kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=int(text.get("head_dim") or hidden // heads),
@@ -81,7 +144,23 @@ class ModelShape:
             qk_norm=model_type.startswith("qwen3"),
             max_positions=text.get("max_position_embeddings"),
             dtype=text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype"),
+            experts=Experts.from_config(text, layers),
         )
+
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - (self.experts.layers if self.experts else 0)
+
+    @property
+    def mlp_width(self) -> int:
+        """The widest MLP a token passes through in one layer: a dense layer's, or the experts it is routed to plus
+        the shared expert (what the MLP's activations scale with)."""
+        widths = [self.intermediate] if self.dense_layers else []
+        if self.experts is not None:
+            widths.append(
+                self.experts.per_token * self.experts.intermediate + self.experts.shared_intermediate
+            )
+        return max(widths)
 
     @property
     def q_dim(self) -> int:
@@ -107,13 +186,17 @@ class ModelShape:
 
     def parameter_count(self) -> int:
         shapes = self.linear_shapes()
-        per_layer = sum(a * b for name, (a, b) in shapes.items() if name != "lm_head") + 2 * self.hidden
+        attention = (
+            sum(a * b for name, (a, b) in shapes.items() if name in ATTENTION_PROJECTIONS) + 2 * self.hidden
+        )
         if self.attention_bias:
-            per_layer += self.q_dim + 2 * self.kv_dim
+            attention += self.q_dim + 2 * self.kv_dim
         if self.qk_norm:
-            per_layer += 2 * self.head_dim
+            attention += 2 * self.head_dim
+        dense_mlp = sum(a * b for name, (a, b) in shapes.items() if name in MLP_PROJECTIONS)
+        moe = self.experts.layers * self.experts.layer_parameters(self.hidden) if self.experts else 0
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.layers * per_layer + self.hidden + embeddings
+        return self.layers * attention + self.dense_layers * dense_mlp + moe + self.hidden + embeddings
 
 
 def lora_targets(cfg: RunConfig) -> list[str]:
@@ -162,9 +245,14 @@ def lora_parameter_count(shape: ModelShape, cfg: RunConfig) -> tuple[int, int]:
     params = tensors = 0
     for name in lora_targets(cfg):
         fan_in, fan_out = shapes[name]
-        count = 1 if name == "lm_head" else shape.layers
+        count = 1 if name == "lm_head" else shape.dense_layers if name in MLP_PROJECTIONS else shape.layers
         params += count * r * (fan_in + fan_out)
         tensors += 2 * count
+    if shape.experts is not None:
+        mlp = set(lora_targets(cfg)) & set(MLP_PROJECTIONS)
+        per_layer, per_layer_tensors = shape.experts.lora_parameters(shape.hidden, r, mlp)
+        params += shape.experts.layers * per_layer
+        tensors += shape.experts.layers * per_layer_tensors
     return params, tensors
 
 
@@ -174,7 +262,7 @@ def compute_layer_saved_bytes(
     """Bytes autograd keeps for one decoder layer's backward over `tokens` padded tokens (b: bytes per base
     element). LoRA weights are fp32 (local.py), so over a bf16 base PEFT casts each adapted module's input to an
     fp32 copy that it keeps; over an fp32 base the inputs themselves are kept, shared between modules."""
-    n, h, i, qd = tokens, shape.hidden, shape.intermediate, shape.q_dim
+    n, h, i, qd = tokens, shape.hidden, shape.mlp_width, shape.q_dim
     targets = [t for t in lora_targets(cfg) if t != "lm_head"]
     seq = min(cfg.trainer.max_seq_len, tokens)
     packed = cfg.trainer.micro_batch_layout == "packed"
@@ -214,6 +302,8 @@ def compute_layer_saved_bytes(
     else:
         saved += sum(n * shapes[t][0] * 4 for t in targets)
     saved += len(targets) * n * cfg.lora.rank * 4  # lora_A outputs, kept for lora_B's gradient
+    if shape.experts is not None and set(targets) & set(MLP_PROJECTIONS):
+        saved += shape.experts.merged_weight_bytes(h)  # the MoE layer's experts with their deltas merged
     return saved
 
 
@@ -222,7 +312,7 @@ def compute_activation_bytes(shape: ModelShape, cfg: RunConfig, b: int, recomput
     backward at trainer.micro_batch_tokens tokens (all of them trained: the worst case), with `recomputed` of the
     model's decoder layers under gradient checkpointing (0: none, shape.layers: every one)."""
     n = cfg.trainer.micro_batch_tokens
-    h, i, L = shape.hidden, shape.intermediate, shape.layers
+    h, i, L = shape.hidden, shape.mlp_width, shape.layers
     recomputed = max(0, min(recomputed, L))
     seq = min(cfg.trainer.max_seq_len, n)
     # Kept through the whole backward: the bool padding mask, the final norm's input, and the trained positions'
@@ -248,6 +338,10 @@ def compute_activation_bytes(shape: ModelShape, cfg: RunConfig, b: int, recomput
     # its gradient appears, leaving one [n, intermediate] gradient ahead; over a bf16 base the LoRA path's fp32
     # gradient of its input copy comes on top. Plus the residual stream's gradient.
     layer_peak += n * i * (4 if b == 4 else 8) + 2 * n * h * b
+    if shape.experts is not None and set(lora_targets(cfg)) & set(MLP_PROJECTIONS):
+        layer_peak += shape.experts.merged_weight_bytes(
+            h
+        )  # the merged experts' gradient (or the forward's delta)
     chunk = min(cfg.trainer.logprob_chunk_tokens, n)
     # One chunk's fp32 logits while its backward runs: four [chunk, vocab] fp32 tensors at the worst moment (the
     # recomputed scaled logits kept by logsumexp, the softmax-shaped gradient, the gather's scattered gradient
@@ -355,10 +449,18 @@ def build_vllm_plan(
     plan.add(f"weights ({dtype})", shape.parameter_count() * b)
     shapes = shape.linear_shapes()
     slot_modules = [m for m in ALL_LINEAR] + (["lm_head"] if "lm_head" in lora_targets(cfg) else [])
-    per_slot = sum(
-        (1 if m == "lm_head" else shape.layers) * v.max_lora_rank * sum(shapes[m]) for m in slot_modules
-    )
-    plan.add("LoRA slots", v.max_loras * per_slot * b, f"{v.max_loras} x rank {v.max_lora_rank}")
+
+    def layers_of(m: str) -> int:
+        return 1 if m == "lm_head" else shape.dense_layers if m in MLP_PROJECTIONS else shape.layers
+
+    per_slot = sum(layers_of(m) * v.max_lora_rank * sum(shapes[m]) for m in slot_modules)
+    note = f"{v.max_loras} x rank {v.max_lora_rank}"
+    if shape.experts is not None:
+        # vLLM's fused-MoE LoRA buffers: every expert's gate, up and down A and B at max_lora_rank, per slot.
+        e = shape.experts
+        per_slot += e.layers * e.count * v.max_lora_rank * 3 * (shape.hidden + e.intermediate)
+        note += f"; experts: {e.count} per layer in {e.layers} layers"
+    plan.add("LoRA slots", v.max_loras * per_slot * b, note)
     big_gpu = gpu_bytes is not None and gpu_bytes >= 70 * GiB
     tokens = v.max_num_batched_tokens or (8192 if big_gpu else 2048)  # vLLM's server defaults (not A100s)
     seqs = v.max_num_seqs or (1024 if big_gpu else 256)
@@ -422,7 +524,7 @@ def blocks(tokens: int) -> int:
 
 def widest_layer_bytes(shape: ModelShape, tokens: int, b: int) -> int:
     """One decoder layer's widest live tensors in an inference forward over `tokens` tokens."""
-    return tokens * (2 * shape.intermediate + shape.q_dim + 2 * shape.kv_dim + 2 * shape.hidden) * b
+    return tokens * (2 * shape.mlp_width + shape.q_dim + 2 * shape.kv_dim + 2 * shape.hidden) * b
 
 
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:

@@ -602,3 +602,31 @@ def test_qwen3_30b_a3b_is_counted_with_its_experts():
     assert shape.mlp_width == 8 * 768
     dense = ModelShape.from_config({**QWEN3_30B_A3B, "num_experts": 0})
     assert dense.parameter_count() < 4e9  # what the plan counted before it knew experts
+
+
+def test_the_qwen3_30b_a3b_recipe_dry_run_plans_the_experts_on_two_gpus(tmp_path, capsys):
+    from trainer.orchestration.launcher import main
+
+    folder = tmp_path / "qwen3-30b-a3b-config"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    recipe = str(ROOT / "configs" / "gsm8k_qwen3_30b_a3b.yaml")
+    args = [
+        "gsm8k",
+        "--config",
+        recipe,
+        "--dry-run",
+        f"model.path={folder}",
+        f"trainer.output_dir={tmp_path / 'r'}",
+    ]
+    assert main([*args, "launch.gpu_memory_gib=80"]) == 0
+    out = capsys.readouterr().out
+    assert "128 experts of 768 (8 per token) in 48 layers" in out and "30.53B parameters" in out
+    assert "experts: 128 per layer in 48 layers" in out  # vLLM's expert LoRA buffers in each slot
+    # On one GPU the two could not share: the recipe's placement is what fits.
+    shared = [
+        "distributed.devices='0'",
+        "inference.vllm.replica_devices=['0']",
+        "inference.vllm.gpu_memory_utilization=0.3",
+    ]
+    assert main([*args, "launch.gpu_memory_gib=80", *shared]) == 2

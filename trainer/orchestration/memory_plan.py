@@ -754,10 +754,14 @@ def largest_fitting_micro_batch(plan: MemoryPlan, cfg: RunConfig, left: int) -> 
 def format_plan(plan: MemoryPlan, gpu_source: str) -> list[str]:
     """The plan as a table: part, GiB, note."""
     s = plan.shape
+    e = s.experts
+    mlp = f"intermediate {s.intermediate}"
+    if e is not None:
+        mlp = f"{e.count} experts of {e.intermediate} ({e.per_token} per token) in {e.layers} layers"
+        mlp += f", dense intermediate {s.intermediate} in {s.dense_layers}" if s.dense_layers else ""
     lines = [
-        f"memory plan (GiB = 2^30 bytes; model: {s.layers} layers, hidden {s.hidden}, intermediate "
-        f"{s.intermediate}, {s.heads}/{s.kv_heads} heads, vocab {s.vocab}; {s.parameter_count() / 1e9:.2f}B "
-        "parameters)"
+        f"memory plan (GiB = 2^30 bytes; model: {s.layers} layers, hidden {s.hidden}, {mlp}, "
+        f"{s.heads}/{s.kv_heads} heads, vocab {s.vocab}; {s.parameter_count() / 1e9:.2f}B parameters)"
     ]
     sections = [("trainer, per rank", plan.trainer)]
     if plan.vllm is not None:

@@ -3,7 +3,7 @@
 python -m trainer run --config RUN_DIR/config.yaml                   # the training loop (launch.sh runs it)
 python -m trainer config --config configs/gsm8k.yaml optim.lr=2e-5   # print the resolved config (YAML)
 python -m trainer config-reference > docs/configuration.md          # regenerate the configuration reference
-python -m trainer tiny-model [--out DIR] [--seed N]                  # build/cache the offline tiny model
+python -m trainer tiny-model [--out DIR] [--seed N] [--moe]          # build/cache the offline tiny model
 python -m trainer summary RUN_DIR [RUN_DIR ...]                      # a run in a few lines
 python -m trainer report RUN_DIR                                     # one run's report, into RUN_DIR/report
 python -m trainer report RUN_DIR RUN_DIR [...] --out DIR             # side-by-side comparison report
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny_p = sub.add_parser("tiny-model", help="build the offline tiny model and print its path")
     tiny_p.add_argument("--out", help="folder to write (default: the shared cache)")
     tiny_p.add_argument("--seed", type=int, default=0)
+    tiny_p.add_argument(
+        "--moe", action="store_true", help="the mixture-of-experts variant (model.path=tiny-moe)"
+    )
     return parser
 
 
@@ -116,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from trainer.backends.tiny_model import build_tiny_model, ensure_tiny_model
 
-    path = build_tiny_model(args.out, args.seed) if args.out else ensure_tiny_model(args.seed)
+    path = (
+        build_tiny_model(args.out, args.seed, args.moe)
+        if args.out
+        else ensure_tiny_model(args.seed, moe=args.moe)
+    )
     print(path)
     return 0
 

@@ -99,11 +99,10 @@ def use_tf32_on_cuda(device: torch.device) -> bool:
 
 
 def resolve_model_path(path: str) -> str:
-    if path == "tiny":
-        from trainer.backends.tiny_model import ensure_tiny_model
+    from trainer.backends.tiny_model import tiny_model_named
 
-        return str(ensure_tiny_model())
-    return path
+    tiny = tiny_model_named(path)
+    return str(tiny) if tiny is not None else path
 
 
 def build_peft_model(cfg: RunConfig, device: torch.device, model: Any = None) -> Any:

@@ -1,5 +1,5 @@
-"""An offline stand-in for real weights: a randomly initialised Llama with a byte-level BPE tokenizer trained on
-text generated here, and a chat template. Built with no network, deterministic for a given seed, cached on disk.
+"""An offline stand-in for real weights: a randomly initialised Llama (or, as `tiny-moe`, a Qwen3-MoE with a few
+experts) with a byte-level BPE tokenizer trained on text generated here, and a chat template. Built with no network, deterministic for a given seed, cached on disk.
 
 head_dim is 32 because vLLM's CPU attention rejects 16; tie_word_embeddings is off so lm_head can carry LoRA.
 Must not import vLLM or anything that downloads.
@@ -31,6 +31,17 @@ MODEL_SHAPE: dict[str, Any] = {
     "head_dim": 32,
     "max_position_embeddings": 2048,
 }
+
+# The mixture-of-experts variant: a Qwen3-MoE with MODEL_SHAPE's attention and these experts in every layer.
+MOE_SHAPE: dict[str, Any] = {
+    "moe_intermediate_size": 64,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+}
+TINY_NAMES = {"tiny": False, "tiny-moe": True}  # model.path -> built as the MoE variant
 
 _WORDS = (
     "the a of to and in is it that was for on are with as his they be at one have this from or had by word but "
@@ -95,24 +106,28 @@ def build_tokenizer(seed: int = 0):  # -> transformers.PreTrainedTokenizerFast
     return fast
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a random Llama + tokenizer to out_dir (atomically: a temp folder renamed into place)."""
+def build_tiny_model(out_dir: str | Path, seed: int = 0, moe: bool = False) -> Path:
+    """Write a random Llama (with `moe`, a Qwen3-MoE: MOE_SHAPE's experts in every layer) + tokenizer to out_dir
+    (atomically: a temp folder renamed into place)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     out = Path(out_dir)
     tokenizer = build_tokenizer(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")],
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
+    common = {
+        "vocab_size": VOCAB_SIZE,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")],
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
         **MODEL_SHAPE,
-    )
+    }
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
+    if moe:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, **MOE_SHAPE)).float()
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common)).float()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -134,10 +149,17 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
-def ensure_tiny_model(seed: int = 0, cache_dir: str | Path | None = None) -> Path:
+def ensure_tiny_model(seed: int = 0, cache_dir: str | Path | None = None, moe: bool = False) -> Path:
     """Path of the cached tiny model for this seed, building it on first use (a few seconds)."""
     base = Path(cache_dir) if cache_dir else default_cache_dir()
-    path = base / f"tiny-llama-v{BUILDER_VERSION}-seed{seed}"
+    path = base / f"tiny-{'qwen3moe' if moe else 'llama'}-v{BUILDER_VERSION}-seed{seed}"
     if not (path / "tiny_model.json").exists():
-        build_tiny_model(path, seed)
+        build_tiny_model(path, seed, moe)
     return path
+
+
+def tiny_model_named(path: str) -> Path | None:
+    """The built-in test model a model.path names ('tiny': the Llama, 'tiny-moe': the Qwen3-MoE), or None."""
+    if path not in TINY_NAMES:
+        return None
+    return ensure_tiny_model(moe=TINY_NAMES[path])

@@ -51,10 +51,11 @@ def base_model(config: dict[str, Any]) -> BaseModel:
     from trainer.orchestration.preflight import cached_model, fetch_command
 
     path = str((config.get("model") or {}).get("path") or "")
-    if path == "tiny":  # the offline test model, rebuilt identically from its seed where it is not cached
-        from trainer.backends.tiny_model import ensure_tiny_model
+    from trainer.backends.tiny_model import tiny_model_named
 
-        return BaseModel(ensure_tiny_model(), None, None)
+    tiny = tiny_model_named(path)  # an offline test model, rebuilt identically from its seed where not cached
+    if tiny is not None:
+        return BaseModel(tiny, None, None)
     folder = Path(path)
     if folder.is_dir() and (folder / "config.json").is_file():
         return hub_origin(folder.resolve())

@@ -801,11 +801,12 @@ def format_kv_capacity(f: dict[str, int]) -> str:
 
 def load_model_config(path: str) -> dict[str, Any] | None:
     """config.json of a local folder, the offline tiny model, or a hub id in the local HF cache (None if none)."""
-    if path == "tiny":
-        from trainer.backends.tiny_model import MODEL_SHAPE, VOCAB_SIZE
+    if path in ("tiny", "tiny-moe"):
+        from trainer.backends.tiny_model import MODEL_SHAPE, MOE_SHAPE, VOCAB_SIZE
 
         return {
             **MODEL_SHAPE,
+            **(MOE_SHAPE | {"model_type": "qwen3_moe"} if path == "tiny-moe" else {}),
             "vocab_size": VOCAB_SIZE,
             "tie_word_embeddings": False,
             "torch_dtype": "float32",

@@ -121,10 +121,10 @@ def find_model(path: str, tokenizer_only: bool = False, setting: str | None = No
     Raises ConfigError for what no download can fix: a gated model without access, an unknown id, no disk, no
     network."""
     what = "tokenizer" if tokenizer_only else "model"
-    if path == "tiny":
-        from trainer.backends.tiny_model import ensure_tiny_model
+    from trainer.backends.tiny_model import TINY_NAMES, tiny_model_named
 
-        return str(ensure_tiny_model())
+    if path in TINY_NAMES:
+        return str(tiny_model_named(path))
     where, key = model_key(path, tokenizer_only, setting)
     if Path(path).is_dir():
         needed = "tokenizer_config.json" if tokenizer_only else "config.json"
@@ -278,8 +278,8 @@ def check_model(path: str, tokenizer_only: bool = False, setting: str | None = N
 
 def describe_model(path: str, tokenizer_only: bool = False) -> str:
     """One line for a dry run on where the model will come from; downloads and writes nothing."""
-    if path == "tiny":
-        return "model: tiny (the built-in test model, built at the first launch)"
+    if path in ("tiny", "tiny-moe"):
+        return f"model: {path} (a built-in test model, built at the first launch)"
     try:
         found = find_model(path, tokenizer_only)
     except ConfigError as exc:

@@ -298,3 +298,16 @@ def test_report_compares_runs(tmp_path):
     for png in ("reward_per_step.png", "reward_over_wall_clock.png", "step_time.png", "logprob_diff.png"):
         data = (tmp_path / "report" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_an_unpriced_run_has_no_cost_rather_than_zero(tmp_path):
+    from trainer.readout.report import main
+
+    a = make_run(tmp_path / "local-run", "local", [0.1, 0.5])
+    config = json.loads((a / "config.yaml").read_text())  # JSON is YAML
+    config.pop("pricing")
+    (a / "config.yaml").write_text(json.dumps(config))
+    assert main([str(a), str(a), "--out", str(tmp_path / "report")]) == 0
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary[0]["cost_usd"] is None
+    assert "| local-run | local | tiny | 2 |" in (tmp_path / "report" / "report.md").read_text()

@@ -26,6 +26,7 @@ from trainer.training.backend import AdamParams, ForwardBackwardResult
 from trainer.training.batch import TrainingExample, examples_to_tensors
 from trainer.training.checkpoints import write_atomic
 from trainer.training.config import ConfigError, RunConfig
+from trainer.training.lora_spec import LoraMismatch, tinker_lora_flags
 from trainer.training.losses import (
     BatchScale,
     LossInputs,
@@ -161,9 +162,13 @@ class TinkerBackend:
         self.timeout_s = cfg.tinker.timeout_s
         self.service = service if service is not None else build_service_client(cfg)
         check_base_model(self.service, cfg.model.path, self.timeout_s)
+        try:
+            flags = tinker_lora_flags(cfg.lora)  # the same adapter a local run of this recipe trains
+        except LoraMismatch as exc:
+            raise ConfigError(str(exc)) from None
         self.client = wait(
             self.service.create_lora_training_client(
-                base_model=cfg.model.path, rank=cfg.lora.rank, seed=cfg.lora.seed
+                base_model=cfg.model.path, rank=cfg.lora.rank, seed=cfg.lora.seed, **flags
             ),
             self.timeout_s,
             "the training-client creation",
@@ -278,13 +283,13 @@ class TinkerBackend:
     def _optim_metrics(self, response: Any, adam: AdamParams, started: float) -> dict[str, float]:
         self._step += 1
         remote = dict(getattr(response, "metrics", None) or {})
-        grad_norm = next((float(v) for k, v in remote.items() if "grad_norm" in k), float("nan"))
-        return {
-            "optim/grad_norm": grad_norm,
-            "optim/lr": adam.learning_rate,
-            "optim/skipped_nonfinite": 0.0,
-            "time/optim_s": time.perf_counter() - started,
-        }
+        # Only what Tinker measured: no grad norm when it reports none, and never optim/skipped_nonfinite (Tinker
+        # says nothing about non-finite updates), so the row holds None there rather than an invented 0.
+        metrics = {"optim/lr": adam.learning_rate, "time/optim_s": time.perf_counter() - started}
+        grad_norm = next((float(v) for k, v in remote.items() if "grad_norm" in k), None)
+        if grad_norm is not None:
+            metrics["optim/grad_norm"] = grad_norm
+        return metrics
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         started = time.perf_counter()

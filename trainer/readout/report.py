@@ -181,17 +181,22 @@ def _last(rows: list[dict[str, Any]], key: str) -> float | None:
     return next((v for r in reversed(rows) if (v := number(r, key)) is not None), None)
 
 
-def estimate_cost_usd(run: Run) -> float:
+def estimate_cost_usd(run: Run) -> float | None:
+    """The run's cost from its `pricing:` section; None (shown as "-") when the prices its backend needs are unset
+    (0), never a cost of $0 that nobody priced."""
     pricing = _section(run, "pricing")
     if _section(run, "launch").get("backend") == "tinker":
+        sample, train = (pricing.get(f"tinker_{k}_usd_per_mtok", 0.0) for k in ("sample", "train"))
+        if not (sample or train):
+            return None
         sampled = sum(numbers(run.rows, "tokens/sampled"))
         trained = sum(numbers(run.rows, "tokens/trained"))
-        return (
-            sampled * pricing.get("tinker_sample_usd_per_mtok", 0.0)
-            + trained * pricing.get("tinker_train_usd_per_mtok", 0.0)
-        ) / 1e6
+        return (sampled * sample + trained * train) / 1e6
+    per_hour = pricing.get("local_gpu_usd_per_hour", 0.0)
+    if not per_hour:
+        return None
     wall_s = _last(run.rows, ELAPSED) or 0.0
-    return wall_s / 3600 * pricing.get("local_gpu_usd_per_hour", 0.0)
+    return wall_s / 3600 * per_hour
 
 
 def summarize_run(run: Run) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from trainer.service.wire import SoftTargets
 from trainer.training.backend import AdamParams
 from trainer.training.batch import TrainingExample, examples_to_tensors
 from trainer.training.config import RunConfig
+from trainer.training.lora_spec import ATTN, MLP, UNEMBED
 from trainer.training.losses import (
     LossInputs,
     LossParams,
@@ -43,9 +44,6 @@ from trainer.training.losses import (
     soft_cross_entropy,
 )
 
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-UNEMBED = ("lm_head",)
 ADAPTER_KEY = "{adapter}"  # stands for the adapter's name in saved parameter names
 
 

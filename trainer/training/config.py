@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rlcommon.hosts import LOOPBACK_HOSTS
 from rlcommon.overrides import apply_overrides, error_lines, renamed_key
 from rlcommon.slots import DEFAULT_MAX_STALENESS, KEEP_VERSIONS_MEANING
+from trainer.training.lora_spec import tinker_lora_flags
 from trainer.training.losses import (
     DEFAULT_DRO_BETA,
     DEFAULT_MASK_BOUNDS,
@@ -760,6 +761,8 @@ class RunConfig(_Section):
         if self.loss.tis_cap is not None and self.loss_name not in RATIO_LOSSES:
             key = "distill.loss" if self.loss_name != self.loss.name else "loss.name"
             raise ValueError(f"loss.tis_cap applies to ratio losses, not {key}={self.loss_name!r}")
+        if self.launch.backend == "tinker":
+            tinker_lora_flags(self.lora)  # LoraMismatch (a ValueError): what Tinker's LoRA cannot express
         if self.loss.ratio_mask != "none" and self.loss_name not in MASKABLE_LOSSES:
             key = "distill.loss" if self.loss_name != self.loss.name else "loss.name"
             raise ValueError(

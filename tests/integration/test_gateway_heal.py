@@ -492,6 +492,31 @@ def test_sigterm_during_vllm_start_up_exits_in_time(tmp_path, delay_s):
 
 
 @pytest.mark.slow
+def test_a_gateway_whose_vllm_never_starts_gives_up_and_exits_1(tmp_path):
+    """vLLM refuses its command line at every start (an unknown flag): after inference.vllm.max_restarts the gateway
+    gives up and exits 1, which the launcher reads as a crash (exit 0 would read as a clean stop)."""
+    pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
+    from trainer.orchestration.gateway_process import write_gateway_config
+
+    overrides = ["inference.vllm.extra_args=[--no-such-flag]", "inference.vllm.max_restarts=1"]
+    gateway_yaml = write_gateway_config(
+        str(ROOT / "configs" / "tiny_cpu.yaml"), overrides, tmp_path / "gw.yaml"
+    )
+    argv = [sys.executable, "-m", "inference", "--config", str(gateway_yaml), "--log-dir", str(tmp_path)]
+    with (tmp_path / "gateway.log").open("ab") as logf:
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
+    try:
+        code = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = (tmp_path / "gateway.log").read_text()
+    assert code == 1, log[-3000:]
+    assert "stopping the gateway" in log
+
+
+@pytest.mark.slow
 def test_sigterm_of_gateway_stops_vllm(own_gateway):
     """Stop the module's gateway as launch.sh would (its last test, on the gateway the others used) and check that no
     vLLM process of it survives."""

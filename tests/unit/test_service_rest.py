@@ -387,3 +387,16 @@ def test_runs_checkpoints_and_expiries_survive_a_restart(tmp_path):
             run_id,
             new.model_id,
         }
+
+
+def test_session_ids_cannot_be_guessed_from_ones_own(url):
+    import httpx
+
+    def opened() -> str:
+        answer = httpx.post(f"{url}/api/v1/create_session", json={}, headers={"X-API-Key": KEY}, timeout=10)
+        return str(answer.json()["session_id"])
+
+    ids = [opened() for _ in range(3)]
+    suffixes = [i.rsplit("-", 1)[1] for i in ids]
+    assert len(set(ids)) == 3 and all(len(s) == 16 for s in suffixes)
+    assert not any(s.isdigit() and len(s) < 8 for s in suffixes)  # no counter a client could step through

@@ -119,7 +119,6 @@ class Service:
         self.futures: dict[str, asyncio.Future[Result]] = {}
         self.order: dict[str, Ordered] = {}
         self.models: dict[str, str] = {}  # model id -> adapter name
-        self.sessions = itertools.count()
         self.request_ids = itertools.count()
         self.adapters = itertools.count()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train")
@@ -676,8 +675,9 @@ def session_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/create_session")
     async def create_session() -> dict[str, str]:
-        # the instance token keeps run ids (and their folders) of an earlier service apart from this one's
-        session_id = f"sess-{service.instance}-{next(service.sessions)}"
+        # the instance token keeps run ids (and their folders) of an earlier service apart from this one's; the
+        # random part keeps one client from naming (and finishing, or training under) another client's session
+        session_id = f"sess-{service.instance}-{secrets.token_hex(8)}"
         service.beats[session_id] = time.monotonic()
         service.start_reaper()
         return {"session_id": session_id}

@@ -187,7 +187,8 @@ class GatewayConfig(BaseModel):
 
     @property
     def max_loras(self) -> int:
-        """vLLM's --max-loras: the policy window's slots and the named adapters'."""
+        """vLLM's --max-loras (and --max-cpu-loras): the policy window's slots, the base model's zero adapter and the
+        named adapters' (rlcommon/slots.py)."""
         return lora_slots(self.keep_versions) + self.named_slots
 
 

@@ -91,6 +91,8 @@ def build_vllm_command(
         str(v.max_lora_rank),
         "--max-loras",
         str(cfg.max_loras),
+        "--max-cpu-loras",  # vLLM's cache of loaded adapters: as many as can be live (rlcommon/slots.py)
+        str(cfg.max_loras),
         # vLLM's own sampling defaults (temperature 1, top_p 1), not the model's generation_config.json:
         # an env that omits top_p must get the full distribution its logprobs describe.
         "--generation-config",

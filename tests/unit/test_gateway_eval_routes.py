@@ -247,8 +247,8 @@ async def test_base_is_refused_as_an_adapter_name(tmp_path):
 def test_named_slots_add_lora_slots_to_the_policy_window():
     window = GatewayConfig(model="m", keep_versions=3)
     both = GatewayConfig(model="m", keep_versions=3, named_slots=2)
-    assert (window.max_loras, both.max_loras) == (5, 7)
+    assert (window.max_loras, both.max_loras) == (6, 8)
     argv, _ = build_vllm_command(both, "/m", 1, "k", python="py", serve_cli=True)
-    assert argv[argv.index("--max-loras") + 1] == "7"
+    assert argv[argv.index("--max-loras") + 1] == argv[argv.index("--max-cpu-loras") + 1] == "8"
     with pytest.raises(ValidationError, match="named_slots"):
         GatewayConfig(model="m", named_slots=-1)

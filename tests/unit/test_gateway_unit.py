@@ -41,7 +41,8 @@ def test_vllm_command_line():
         "--port 8123",
         "--enable-lora",
         "--max-lora-rank 16",
-        "--max-loras 5",
+        "--max-loras 6",
+        "--max-cpu-loras 6",
         "--dtype float32",
         "--kv-cache-memory-bytes 1024",
         "--generation-config vllm",
@@ -91,7 +92,7 @@ def test_config_rules():
     assert (
         section["model"] == "/some/model" and section["keep_versions"] == 2 and section["sampler"] == "vllm"
     )
-    assert GatewayConfig(**section).max_loras == 4
+    assert GatewayConfig(**section).max_loras == 5  # 2 behind, current, being published, base-zero-lora
     bad = load_config(RunConfig, None, ["inference.vllm.max_lora_rank=7"])
     with pytest.raises(ConfigError, match=r"inference\.vllm\.max_lora_rank: .*got 7"):
         gateway_section(bad, "/m")
@@ -626,7 +627,7 @@ def test_a_run_config_given_to_the_gateway_is_read_for_its_inference_section(tmp
     model and its rollout.max_staleness as the versions kept, unless the section or an override says otherwise."""
     run = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
     cfg = load_gateway_config(run)
-    assert (cfg.model, cfg.keep_versions, cfg.vllm.max_lora_rank, cfg.max_loras) == ("tiny", 1, 8, 3)
+    assert (cfg.model, cfg.keep_versions, cfg.vllm.max_lora_rank, cfg.max_loras) == ("tiny", 1, 8, 4)
     shorter = load_gateway_config(run, ["keep_versions=4", "inference.vllm.max_model_len=256"])
     assert (shorter.keep_versions, shorter.vllm.max_model_len) == (4, 256)
     assert load_gateway_config(run, ["inference.keep_versions=4"]).keep_versions == 4

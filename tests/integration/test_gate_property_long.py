@@ -4,6 +4,8 @@ negative, nothing is left counted. About 20 seconds; no server."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.unit.gate_property import drive
@@ -15,7 +17,7 @@ async def test_many_seeds_of_random_interleavings_keep_every_promise():
     failures = {}
     passed_by_deadline = 0
     for seed in range(100, 120):
-        world = await drive(seed, events=300)
+        world = await asyncio.wait_for(drive(seed, events=300), 60)  # a hang fails, naming the seed
         passed_by_deadline += world.passed_by_deadline
         if world.violations:
             failures[seed] = world.violations[:3]

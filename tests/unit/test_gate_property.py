@@ -16,7 +16,7 @@ from tests.unit.gate_property import drive
 
 @pytest.mark.parametrize("seed", range(6))
 async def test_random_interleavings_keep_every_promise(seed):
-    world = await drive(seed)
+    world = await asyncio.wait_for(drive(seed), 30)  # a hang fails instead of holding the suite
     assert not world.violations, world.violations[:5]
     assert world.started > 20, "too few requests started: the driver exercised little"
 

@@ -45,14 +45,15 @@ def reference_token_loss(name, lp, lq, adv, w, p: LossParams, shift: float | Non
     raise AssertionError(name)
 
 
-def reference_loss(name, lp_BT, lq_BT, adv_BT, mask_BT, p, reduction) -> float:
+def reference_loss(name, lp_BT, lq_BT, adv_BT, mask_BT, p, reduction, keep_BT=None) -> float:
+    """The summed, reduced loss; with `keep_BT` only the kept tokens count, each scaled as in the unmasked batch."""
     B, T = lp_BT.shape
     n_tokens = float(mask_BT.sum())
     total = 0.0
     for b in range(B):
         seq_tokens = float(mask_BT[b].sum())
         for t in range(T):
-            if mask_BT[b, t] == 0:
+            if mask_BT[b, t] == 0 or (keep_BT is not None and not keep_BT[b, t]):
                 continue
             tok = reference_token_loss(
                 name, float(lp_BT[b, t]), float(lq_BT[b, t]), float(adv_BT[b, t]), float(mask_BT[b, t]), p

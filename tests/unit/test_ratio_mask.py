@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from tests.unit.test_losses import REDUCTIONS, make_inputs, reference_grad, reference_token_loss, run_loss
+from tests.unit.test_losses import REDUCTIONS, make_inputs, reference_grad, reference_loss, run_loss
 from trainer.training.config import ConfigError, RunConfig, load_config
 from trainer.training.losses import LossParams, finalize_metrics
 
@@ -35,29 +35,6 @@ def reference_keep(lp_BT, lq_BT, mask_BT, p: LossParams) -> torch.Tensor:
     return keep
 
 
-def reference_masked_loss(name, lp_BT, lq_BT, adv_BT, mask_BT, keep_BT, p, reduction) -> float:
-    """The loss over the kept tokens, each scaled as the unmasked batch scales it (denominators unchanged)."""
-    B = lp_BT.shape[0]
-    n_tokens = float(mask_BT.sum())
-    total = 0.0
-    for b in range(B):
-        seq_tokens = float(mask_BT[b].sum())
-        for t in range(lp_BT.shape[1]):
-            if not keep_BT[b, t]:
-                continue
-            tok = reference_token_loss(
-                name, float(lp_BT[b, t]), float(lq_BT[b, t]), float(adv_BT[b, t]), float(mask_BT[b, t]), p
-            )
-            scale = {
-                "sum": 1.0,
-                "token_mean": 1.0 / n_tokens,
-                "seq_mean_token_sum": 1.0 / B,
-                "seq_mean_token_mean": 1.0 / (seq_tokens * B),
-            }[reduction]
-            total += tok * scale
-    return total
-
-
 @pytest.mark.parametrize("how", ["token", "sequence"])
 @pytest.mark.parametrize("name", MASKED_PER_TOKEN)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -72,7 +49,7 @@ def test_value_and_grad_match_the_float64_reference(how, name, reduction):
     keep = reference_keep(d[0], d[1], d[3], p)
     trained = mask != 0
     assert 0 < int(keep.sum()) < int(trained.sum()), "the bounds keep all or nothing: the test proves nothing"
-    ref = reference_masked_loss(name, *d, keep, p, reduction)
+    ref = reference_loss(name, *d, p, reduction, keep_BT=keep)
     assert loss.item() == pytest.approx(ref, rel=1e-5, abs=1e-6)
     # The keep decision is a stop-gradient: kept tokens get the loss's own gradient, masked ones none.
     ref_grad = torch.where(keep, reference_grad(name, *d, LossParams(name=name), reduction), 0.0)

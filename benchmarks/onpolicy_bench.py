@@ -3,6 +3,7 @@
     python -m benchmarks onpolicy                                   # staleness 0, 1, 3 x gate on, off; 30 steps
     python -m benchmarks onpolicy --staleness 0 --gates on --steps 12
     python -m benchmarks onpolicy --mix --staleness 0 --gates on,off --steps 20   # toy 3 : residue 1, one run
+    python -m benchmarks onpolicy --mix --staleness 1 --gates off --quotas on,off --steps 24   # the quota alone
 
 Runs `launch.sh toy` (configs/tiny_cpu.yaml unless --config) once per (max_staleness, gate) pair, one after
 another (the runs share the machine's cores), and summarises each run's metrics.jsonl (trainer/readout/
@@ -36,6 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=COMMAND, description=__doc__)
     p.add_argument("--staleness", default="0,1,3", help="comma-separated rollout.max_staleness values")
     p.add_argument("--gates", default="on,off", help="comma-separated publish.gate values (on, off)")
+    p.add_argument("--quotas", default="on", help="comma-separated publish.gate_quota values (on, off)")
     p.add_argument("--steps", type=int, default=30, help="rollout.num_steps of each run")
     p.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
     p.add_argument(
@@ -78,11 +80,14 @@ def launch_toy(args: argparse.Namespace, run_dir: Path, *overrides: str) -> tupl
     return code, time.monotonic() - started
 
 
-def run_one(args: argparse.Namespace, out: Path, staleness: int, gate: str) -> dict[str, Any]:
-    run_dir = out / f"staleness{staleness}-gate-{gate}"
+def run_one(
+    args: argparse.Namespace, out: Path, staleness: int, gate: str, quota: str = "on"
+) -> dict[str, Any]:
+    run_dir = out / f"staleness{staleness}-gate-{gate}-quota-{quota}"
     overrides = [
         f"rollout.max_staleness={staleness}",
         f"publish.gate={gate}",
+        f"publish.gate_quota={quota == 'on'}",
         f"rollout.num_steps={args.steps}",
     ]
     code, wall_s = launch_toy(args, run_dir, *overrides)
@@ -94,6 +99,7 @@ def run_one(args: argparse.Namespace, out: Path, staleness: int, gate: str) -> d
     return {
         "max_staleness": staleness,
         "gate": gate,
+        "quota": quota,
         "launcher_exit_code": code,
         "launch_wall_s": wall_s,
         "steps": whole["steps"],
@@ -101,6 +107,12 @@ def run_one(args: argparse.Namespace, out: Path, staleness: int, gate: str) -> d
         "stale_fraction": whole["stale_fraction"],
         "steps_without_update": whole["steps_without_update"],
         "steps_per_minute": 60 * (len(rows) - 1) / steps_wall if steps_wall else None,
+        # What a run buys: sequences that reached the loss, per minute of steps (the first step's start excluded).
+        "sequences_trained_per_minute": (
+            60 * sum(r.get("rollouts/sequences_trained", 0) for r in rows[1:]) / steps_wall
+            if steps_wall
+            else None
+        ),
         "wall_s_to_reward_0.8": whole["wall_s_to_reward_0.8"],
         "step_reaching_reward_0.8": whole["step_reaching_reward_0.8"],
         "reward_last3": whole["reward_last3"],
@@ -130,8 +142,12 @@ def stale_by_env(rows: list[dict[str, Any]]) -> dict[str, float | None]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     gates = [g.strip() for g in args.gates.split(",")]
-    if any(g not in ("on", "off") for g in gates):
-        print(f"onpolicy: --gates takes on and off, got {args.gates!r}", file=sys.stderr)
+    quotas = [q.strip() for q in args.quotas.split(",")]
+    if any(g not in ("on", "off") for g in gates + quotas):
+        print(
+            f"onpolicy: --gates and --quotas take on and off, got {args.gates!r}, {args.quotas!r}",
+            file=sys.stderr,
+        )
         return 2
     staleness = [int(s) for s in args.staleness.split(",")]
     out = Path(args.out or ROOT / "runs" / f"onpolicy-bench-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -139,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for s in staleness:
         for gate in gates:
-            print(f"onpolicy: max_staleness={s} gate={gate}", file=sys.stderr, flush=True)
-            results.append(run_one(args, out, s, gate))
+            for quota in quotas:
+                print(f"onpolicy: max_staleness={s} gate={gate} quota={quota}", file=sys.stderr, flush=True)
+                results.append(run_one(args, out, s, gate, quota))
     print(
         json.dumps(
             {

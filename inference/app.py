@@ -272,7 +272,7 @@ class Gateway:
             )
             retracted = self.registry.make_current(policy)
             load_s = time.perf_counter() - started
-            spell = self._open_gate_if_due(req)
+            spell = self._open_gate_if_due(req, new_version=True)
         unloaded = await self.unload_stale()
         log.info(
             "published version %d as %s in %.3fs (retracted %s, unloaded %s%s%s)",
@@ -303,10 +303,12 @@ class Gateway:
             verify_s=verify_s,
         )
 
-    def _open_gate_if_due(self, req: PublishRequest) -> Any:
+    def _open_gate_if_due(self, req: PublishRequest, new_version: bool = False) -> Any:
         waiting_for = self.gate.waiting_for
         if waiting_for is not None and (req.replace_newer or waiting_for <= self.registry.current.version):
             return self.gate.open()
+        if waiting_for is None and new_version and self.gate.quota is not None:
+            self.gate.open()  # no gate, a quota (a mixed run at max_staleness 1): the new version's own shares
         return None
 
     async def _probe_answer(self, probe: PublishProbe, policy: Policy) -> list[dict[int, float]]:
@@ -627,11 +629,15 @@ def policy_routes(gw: Gateway) -> APIRouter:
             req = ExpectRequest.model_validate(await json_object(request))
         except ValidationError as exc:
             raise BackendError(400, validation_message(exc)) from exc
-        gw.gate.set_quota(req.quota, req.refill_s, req.env_quotas, req.hold_s)
+        changed = gw.gate.set_quota(req.quota, req.refill_s, req.env_quotas, req.hold_s, req.lead)
         if req.version > registry.current.version:
             gw.gate.close(req.version, req.hold_s)
             return ExpectResponse(holding_for=req.version)
-        spell = gw.gate.open()  # nothing newer is coming (the step made no update)
+        if gw.gate.waiting_for is None and not changed and not req.batch_taken:
+            # The quotas as they were, on an open gate (a mixed run's trainer re-sending them, a resumed trainer):
+            # what the current version started still counts against them.
+            return ExpectResponse(holding_for=None)
+        spell = gw.gate.open()  # nothing newer is coming (the step made no update), or new quotas from now
         if spell is None:
             return ExpectResponse(holding_for=None)
         return ExpectResponse(holding_for=None, hold_s=spell.closed_s, held_requests=spell.held_requests)

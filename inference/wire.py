@@ -354,6 +354,18 @@ class ExpectRequest(BaseModel):
         "a request is the environment its bearer key names (rlcommon/envkeys.py), others count against `quota`",
     )
     refill_s: Annotated[Finite, Field(gt=0, le=600)] = 1.0
+    lead: StrictInt = Field(
+        0,
+        ge=0,
+        le=64,
+        description="without the gate: versions environments may sample ahead of the trainer; the first version "
+        "opened under new quotas allows 1 + lead times each (inference/policy/gate.py set_quota)",
+    )
+    batch_taken: bool = Field(
+        False,
+        description="the trainer took a batch that made no update (no new version comes for it): the current "
+        "version's quotas start over, as a publish would start the next version's",
+    )
 
 
 class RefillRequest(BaseModel):

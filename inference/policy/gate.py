@@ -75,6 +75,10 @@ class Gate:
         self.env_quotas: dict[str, int] = {}
         self.refill_s = 1.0
         self.hold_s = DEFAULT_HOLD_S  # the longest any request waits, from its arrival
+        self.lead = 0  # versions of sampling ahead the quotas allow (see set_quota)
+        self._lead_pending = 0  # the head start the next opening grants
+        self._granted: int | None = None  # the current version's quota before a carry (a head start included)
+        self._granted_env: dict[str, int] = {}
         self._allowed: int | None = None
         self._started = 0
         self._allowed_env: dict[str, int] = {}  # per environment of env_quotas, as _allowed for the batch
@@ -116,13 +120,22 @@ class Gate:
         refill_s: float,
         env_quotas: dict[str, int] | None = None,
         hold_s: float | None = None,
-    ) -> None:
+        lead: int = 0,
+    ) -> bool:
         """From the next opening on, allow `sequences` per version (None: no quota), and each environment of
-        `env_quotas` its own number; requests arriving from now on wait at most `hold_s` (None: as before)."""
-        self.quota, self.refill_s = sequences, refill_s
+        `env_quotas` its own number; requests arriving from now on wait at most `hold_s` (None: as before).
+        `lead` (without the gate, rollout.max_staleness): the first version opened under new quotas allows 1 + lead
+        times as many, so environments sample the next batch while the trainer trains on this one; each version
+        after starts one batch, which the trainer takes `lead` versions later. Returns whether the quotas differ
+        from those set before."""
+        quotas = dict(env_quotas or {}) if sequences is not None else {}
+        changed = (sequences, quotas, lead) != (self.quota, self.env_quotas, self.lead)
+        self.quota, self.refill_s, self.env_quotas, self.lead = sequences, refill_s, quotas, lead
+        if changed:
+            self._lead_pending = lead
         if hold_s is not None:
             self.hold_s = hold_s
-        self.env_quotas = dict(env_quotas or {}) if sequences is not None else {}
+        return changed
 
     def close(self, version: int, hold_s: float) -> None:
         """Hold new requests until `version` is published, for at most `hold_s` from now. Closing again (a retried
@@ -163,14 +176,17 @@ class Gate:
         # are stale there and each takes a fresh group's place, which is stale a batch later, and so on for the rest
         # of the run (measured: one group per environment per step, from the first refill on). The next version
         # starts that many fewer, so the surplus is used up in one batch.
-        carry = self._surplus(self._started, self._allowed, self.quota)
+        carry = self._surplus(self._started, self._granted)
         carry_env = {
-            env: self._surplus(self._started_env.get(env, 0), self._allowed_env.get(env), quota)
-            for env, quota in self.env_quotas.items()
+            env: self._surplus(self._started_env.get(env, 0), self._granted_env.get(env))
+            for env in self.env_quotas
         }
-        self._allowed = None if self.quota is None else max(0, self.quota - carry)
+        times, self._lead_pending = 1 + self._lead_pending, 0
+        self._granted = None if self.quota is None else self.quota * times
+        self._granted_env = {env: q * times for env, q in self.env_quotas.items()}
+        self._allowed = None if self._granted is None else max(0, self._granted - carry)
         self._started = 0
-        self._allowed_env = {env: max(0, q - carry_env[env]) for env, q in self.env_quotas.items()}
+        self._allowed_env = {env: max(0, q - carry_env[env]) for env, q in self._granted_env.items()}
         self._started_env = dict.fromkeys(self.env_quotas, 0)
         self.carried_total += sum(carry_env.values()) if carry_env else carry
         self._seen_env = {}
@@ -184,11 +200,9 @@ class Gate:
         return spell
 
     @staticmethod
-    def _surplus(started: int, allowed: int | None, quota: int | None) -> int:
+    def _surplus(started: int, granted: int | None) -> int:
         """What a version that ran under a quota started beyond it."""
-        if allowed is None or quota is None:
-            return 0
-        return max(0, started - quota)
+        return 0 if granted is None else max(0, started - granted)
 
     def _passable(self, n: int, env: str | None) -> bool:
         if self._waiting_for is not None:

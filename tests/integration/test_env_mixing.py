@@ -52,9 +52,7 @@ COUNTS = (
 def mixed_config(tmp_path: Path) -> Path:
     cfg = yaml.safe_load((ROOT / "configs" / "toy.yaml").read_text())
     del cfg["rollout"]["env"]
-    # atroposlib's pacing keeps one group per environment beyond its share queued, which is trained a batch later:
-    # at the recipe's max_staleness=1 that group is dropped as stale at every step (docs/environments.md)
-    cfg["rollout"]["max_staleness"] = 2
+    assert cfg["rollout"]["max_staleness"] == 1  # the recipe's, where the gateway holds each to its share
     cfg["rollout"]["envs"] = [
         {"env": "toy", "weight": TOY_WEIGHT},
         {"env": str(ROOT / "tests" / "envs" / "residue_tokens.py"), "name": "residue", "weight": 1},
@@ -156,6 +154,12 @@ def test_two_environments_mixed_three_to_one_train_together_and_a_killed_one_is_
     shares = {e: n / sum(taken.values()) for e, n in taken.items()}
     print(f"steps 1-{SHARE_STEPS}: received {received}, taken {taken} (shares {shares}), trained {trained}")
     assert abs(shares["toy"] - TOY_SHARE) <= 0.05 and abs(shares["residue"] - (1 - TOY_SHARE)) <= 0.05, shares
+    # No stale waste at the recipe's max_staleness (1): atroposlib's group beyond each share starts on the next
+    # version, not two versions before the batch that takes it.
+    stale = {e: sum(r.get(f"rollouts/{e}/sequences_dropped_stale", 0) for r in undisturbed) for e in received}
+    print(f"steps 1-{SHARE_STEPS}: dropped as stale {stale}")
+    assert sum(stale.values()) <= 0.05 * sum(received.values()), (stale, received)
+    assert all(stale[e] <= 0.10 * received[e] for e in received), (stale, received)
 
     rose = {}
     for env in ("toy", "residue"):

@@ -92,7 +92,9 @@ async def drive(seed: int, events: int = 150) -> World:
             gate.open()
         elif kind == "quota" and trainer_alive:
             quotas = {e: rng.randint(1, 8) for e in ("a", "b") if rng.random() < 0.6}
-            gate.set_quota(rng.choice([None, 4, 8, 16]), rng.choice([0.01, 0.05]), quotas, HOLD_S)
+            gate.set_quota(
+                rng.choice([None, 4, 8, 16]), rng.choice([0.01, 0.05]), quotas, HOLD_S, rng.choice([0, 0, 1])
+            )
         elif kind == "refill" and trainer_alive:
             gate.refill_envs({e: rng.randint(0, 4) for e in ("a", "b")})
         elif kind == "cancel" and tasks:

@@ -83,8 +83,12 @@ def test_each_environment_gets_its_process_share_and_weight():
     assert lines[0].startswith("environment toy: weight 3, share 0.750: run-api fills 48 of each batch's 64")
     assert "16 of each batch's 64 sequences from it first (2 groups of 8), 2 process(es)" in lines[1]
     assert len(lines) == 2  # the default max_staleness (3) keeps the extra group atroposlib queues
-    assert env_share_lines(mixed("rollout.max_staleness=1"))[2].startswith(
-        "rollout.max_staleness=1: atroposlib"
+    assert "waits for the next one" in env_share_lines(mixed("rollout.max_staleness=1"))[2]
+    assert env_share_lines(mixed("rollout.max_staleness=1", "publish.gate_quota=false"))[2].startswith(
+        "rollout.max_staleness=1 with publish.gate_quota off: atroposlib"
+    )
+    assert (
+        mixed("rollout.max_staleness=1").share_quota() and not mixed("rollout.max_staleness=2").share_quota()
     )
     assert "waits for the next one" in env_share_lines(mixed("rollout.max_staleness=0"))[2]
     assert "waits for the next one" in env_share_lines(mixed("rollout.max_staleness=1", "publish.gate=on"))[2]
@@ -278,11 +282,14 @@ def test_a_mixed_run_gives_the_gate_each_environments_share(monkeypatch):
             asked.append(args)
 
     loop._close_gate(mixed("rollout.max_staleness=0"), Gateway(), 3)  # type: ignore[arg-type]
-    assert asked[-1][-1] == {"toy": 48, "residue": 16}  # run-api's allotments (env_share_lines)
+    assert asked[-1][4:] == ({"toy": 48, "residue": 16}, 0, False)  # run-api's allotments (env_share_lines)
     uneven = f"rollout.envs=[{{env: toy, weight: 2}}, {{env: {RESIDUE}, name: residue, weight: 1}}]"
-    loop._close_gate(mixed(uneven), Gateway(), 3)  # type: ignore[arg-type]
-    assert asked[-1][-1] == {"toy": 48, "residue": 24}  # 42.7 and 21.3 sequences, up to whole groups of 8
+    loop._close_gate(mixed(uneven, "rollout.max_staleness=0"), Gateway(), 3)  # type: ignore[arg-type]
+    assert asked[-1][4] == {"toy": 48, "residue": 24}  # 42.7 and 21.3 sequences, up to whole groups of 8
+    # Without the gate (max_staleness 1) the environments may sample one batch ahead while the trainer trains.
+    loop._close_gate(mixed("rollout.max_staleness=1"), Gateway(), 3, batch_taken=True)  # type: ignore[arg-type]
+    assert asked[-1][4:] == ({"toy": 48, "residue": 16}, 1, True)
     loop._close_gate(mixed("publish.gate_quota=false"), Gateway(), 3)  # type: ignore[arg-type]
-    assert asked[-1][2] is None and asked[-1][-1] is None
+    assert asked[-1][2] is None and asked[-1][4] is None
     loop._close_gate(load_config(RunConfig, None, BASE), Gateway(), 3)  # type: ignore[arg-type]
-    assert asked[-1][2] == 64 and asked[-1][-1] is None  # one environment: the batch's quota is its own
+    assert asked[-1][2] == 64 and asked[-1][4] is None  # one environment: the batch's quota is its own

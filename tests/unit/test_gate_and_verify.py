@@ -297,6 +297,30 @@ async def test_what_a_refill_started_beyond_the_quota_comes_off_the_next_version
     assert gate.started_by_env() == {"toy": 4, "residue": 4, "": 0} and gate.carried_total == 12
 
 
+async def test_a_lead_lets_the_first_version_start_the_next_batch_too_and_then_one_batch_per_version():
+    """Without the gate (a mixed run at max_staleness 1): environments sample the next batch while the trainer
+    trains on this one. Under one share per version from the start they never could: each batch would wait for
+    the trainer's publish. The first version opened under the quotas allows two shares; every later version one,
+    which the trainer takes a version later (lag 1)."""
+    gate = Gate()
+    assert gate.set_quota(16, refill_s=30, env_quotas={"a": 12, "b": 4}, lead=1)
+    gate.open()
+    for env, n in (("a", 12), ("b", 4), ("a", 12), ("b", 4)):
+        assert await gate.wait(n, env) == 0.0
+    third = asyncio.create_task(gate.wait(4, "a"))
+    await asyncio.sleep(0.05)
+    assert not third.done()
+    assert not gate.set_quota(16, refill_s=30, env_quotas={"a": 12, "b": 4}, lead=1)  # re-sent: no new lead
+    gate.open()  # a publish: one share each, nothing carried (two shares were granted)
+    assert await third > 0 and gate.carried_total == 0
+    assert await gate.wait(8, "a") == 0.0 and await gate.wait(4, "b") == 0.0
+    over = asyncio.create_task(gate.wait(4, "b"))
+    await asyncio.sleep(0.05)
+    assert not over.done()
+    gate.open()
+    assert await over > 0
+
+
 async def test_a_request_held_by_the_closed_gate_and_then_by_the_quota_is_refilled():
     """A CI run hung at step 8 (max_staleness 0, one environment): a refill had let the next batch start on the
     version, the carry left the next version no quota, and the requests the closed gate held stayed held by that
@@ -342,6 +366,42 @@ async def test_the_gateway_tells_environments_apart_by_their_bearer_key(tmp_path
         await client.post("/policy/expect", json={**quotas, "version": 1})
         await client.post("/policy/publish", json=publish_body(1, make_adapter(tmp_path, "a1")))
         assert (await a_extra).headers["x-policy-version"] == "1" and (await other).status_code == 200
+
+
+async def test_without_the_gate_each_publish_opens_a_fresh_share_and_resent_quotas_reset_nothing(tmp_path):
+    """A mixed run at max_staleness 1 (no gate): the trainer sets the quotas once (again after a gateway restart);
+    every publish starts the new version's shares, and so does a step that took a batch and made no update. Sending
+    the same quotas again must not hand a version a second share: that extra group would be trained two versions
+    old."""
+    client, _ = client_for(ScriptedBackend())
+    quotas = {"version": 0, "quota": 4, "refill_s": 30, "env_quotas": {"a": 2, "b": 2}, "hold_s": 60}
+    body = {"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 4, "n": 2}
+    a = {"Authorization": "Bearer rl-env:a"}
+    async with client:
+        assert (await client.post("/policy/expect", json=quotas)).json()["holding_for"] is None
+        assert (await client.post("/generate", json=body, headers=a)).headers["x-policy-version"] == "0"
+        assert (await client.post("/policy/expect", json=quotas)).json()["holding_for"] is None
+        extra = asyncio.create_task(client.post("/generate", json=body, headers=a))
+        await asyncio.sleep(0.2)
+        assert not extra.done()  # still a's share of version 0 spent
+        await client.post("/policy/publish", json=publish_body(1, make_adapter(tmp_path, "a1")))
+        assert (await asyncio.wait_for(extra, 10)).headers[
+            "x-policy-version"
+        ] == "1"  # the publish, not hold_s
+        again = asyncio.create_task(client.post("/generate", json=body, headers=a))
+        await asyncio.sleep(0.2)
+        assert not again.done()  # version 1's share went to the held request
+        no_update = {**quotas, "version": 1, "batch_taken": True}  # a step took version 1's batch, made no update
+        assert (await client.post("/policy/expect", json=no_update)).json()["holding_for"] is None
+        assert (await asyncio.wait_for(again, 10)).headers["x-policy-version"] == "1"
+        again = asyncio.create_task(client.post("/generate", json=body, headers=a))
+        await asyncio.sleep(0.2)
+        assert not again.done()
+        changed = {**quotas, "version": 1, "quota": 6, "env_quotas": {"a": 4, "b": 2}}
+        assert (await client.post("/policy/expect", json=changed)).json()["holding_for"] is None
+        assert (await asyncio.wait_for(again, 10)).headers[
+            "x-policy-version"
+        ] == "1"  # new quotas start afresh on the current version
 
 
 async def test_the_trainer_refills_a_short_environment_through_the_gateway():

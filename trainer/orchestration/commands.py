@@ -232,16 +232,17 @@ def env_share_lines(cfg: RunConfig) -> list[str]:
             f"{spec.workers} process(es)"
         )
     staleness = cfg.rollout.max_staleness
-    if staleness < 2 and cfg.publish.gate_on(staleness) and cfg.publish.gate_quota:
+    if staleness < 2 and cfg.share_quota():
+        gate = " with the on-policy gate" if cfg.publish.gate_on(staleness) else ""
         lines.append(
-            f"rollout.max_staleness={staleness} with the on-policy gate: the gateway lets each environment start "
-            "only its share of a batch per version, so the group atroposlib keeps beyond it waits for the next one"
+            f"rollout.max_staleness={staleness}{gate}: the gateway lets each environment start only its share of a "
+            "batch per version, so the group atroposlib keeps beyond it waits for the next one"
         )
     elif staleness < 2:
         lines.append(
-            f"rollout.max_staleness={staleness}: atroposlib keeps one group per environment beyond its share, "
-            "trained a batch later; below 2 that group is dropped as stale at every step (set 2 or more, or "
-            "publish.gate=on)"
+            f"rollout.max_staleness={staleness} with publish.gate_quota off: atroposlib keeps one group per "
+            "environment beyond its share, trained a batch later; below 2 that group is dropped as stale at every "
+            "step (leave publish.gate_quota on, or set rollout.max_staleness to 2 or more)"
         )
     return lines
 

@@ -207,7 +207,7 @@ class PublishConfig(_Section):
         True,
         description="with the gate: once a batch's worth of sequences has started on a version, hold further "
         "requests for the next one (environments start the next batch before the trainer takes this one); in a "
-        "mixed run, each environment's share of the batch",
+        "mixed run, each environment's share of the batch, also without the gate at max_staleness 1",
     )
     gate_refill_s: float = Field(
         1.0,
@@ -803,6 +803,15 @@ class RunConfig(_Section):
 
     def loss_params(self) -> LossParams:
         return replace(self.loss.params(), name=self.loss_name)
+
+    def share_quota(self) -> bool:
+        """Whether the gateway holds each environment to its share of a batch per version (publish.gate_quota):
+        with the on-policy gate, and in a mixed run at max_staleness 1 without it. There atroposlib's pacing starts
+        one group per environment beyond its share, which run-api hands out a batch later, two versions old: stale
+        at every step. Held for the next version instead, it is trained at lag 1 (docs/environments.md)."""
+        staleness = self.rollout.max_staleness
+        mixed_lag_one = bool(self.rollout.envs) and staleness == 1
+        return self.publish.gate_quota and (self.publish.gate_on(staleness) or mixed_lag_one)
 
     def normalize_std(self) -> bool:
         if self.advantage.normalize_std is None:

@@ -90,12 +90,20 @@ class GatewayClient:
         quota: int | None = None,
         refill_s: float = 1.0,
         env_quotas: dict[str, int] | None = None,
+        lead: int = 0,
+        batch_taken: bool = False,
     ) -> ExpectResponse:
         """Close the on-policy gate until `version` is published (or open it: a version not newer than the
         current one); `quota` sequences per version from then on, `env_quotas` of them per environment of a mixed
         run (inference/policy/gate.py)."""
         body = ExpectRequest(
-            version=version, hold_s=hold_s, quota=quota, refill_s=refill_s, env_quotas=env_quotas
+            version=version,
+            hold_s=hold_s,
+            quota=quota,
+            refill_s=refill_s,
+            env_quotas=env_quotas,
+            lead=lead,
+            batch_taken=batch_taken,
         ).model_dump()
         return ExpectResponse.model_validate(self._post("/policy/expect", body))
 

@@ -108,10 +108,12 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
         log.info("the run is already at step %d of %d: nothing to do", state.step, cfg.rollout.num_steps)
         return True
     warn_if_disk_short(cfg, backend, run_dir, state)
-    if gate:
+    quota = cfg.share_quota()
+    if quota:
         # The quota from the first version on: environments start sampling once the trainer registers, and a
         # mixed run's environment that started more than its share would keep a stale group queued for the run.
         _close_gate(cfg, gateway, state.version)
+    quota_on = gateway.status().instance if quota else None  # the gateway process that holds the quota
     api.register(state.step)
     metrics = MetricsWriter(run_dir / "metrics.jsonl", cfg.launch.wandb, cfg)
     intake = IntakeOptions(
@@ -127,7 +129,7 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     )
     run = RunTally(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step)
     pending: PendingStep | None = None
-    shares = env_shares(cfg) if gate and cfg.publish.gate_quota else None
+    shares = env_shares(cfg) if quota else None
     refill = ShortRefill(shares, cfg.publish.gate_refill_s, api, gateway) if shares else None
 
     def finish_pending(block: bool, stopping: bool = False) -> None:
@@ -154,6 +156,9 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
             groups = wait_for_batch(api, cfg.trainer.batch_poll_s, stopper, meanwhile)
             finish_pending(block=True)
             served = _ensure_gateway_policy(gateway, publisher, run_dir, state)
+            if quota and not gate and served.instance != quota_on:  # a restarted gateway starts with no quota
+                _close_gate(cfg, gateway, state.version)
+                quota_on = served.instance
             hold = _close_gate(cfg, gateway, state.version + 1) if gate else None
             names = api.env_names(groups) if cfg.rollout.envs else None
             pending = _one_step(
@@ -181,11 +186,18 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     return state.step >= cfg.rollout.num_steps
 
 
-def _close_gate(cfg: RunConfig, gateway: GatewayClient, version: int) -> ExpectResponse:
-    """Hold new requests for `version` (opens the gate when it is not newer than the current one)."""
+def _close_gate(
+    cfg: RunConfig, gateway: GatewayClient, version: int, batch_taken: bool = False
+) -> ExpectResponse:
+    """Hold new requests for `version` (opens the gate when it is not newer than the current one); with
+    `batch_taken`, the current version's quotas start over (a step that made no update)."""
     quota = cfg.rollout.batch_size if cfg.publish.gate_quota else None
     env_quotas = env_shares(cfg) if quota else None
-    return gateway.expect(version, cfg.publish.gate_hold_s, quota, cfg.publish.gate_refill_s, env_quotas)
+    # Without the gate, environments sample a batch ahead (within max_staleness) while the trainer trains.
+    lead = 0 if cfg.publish.gate_on(cfg.rollout.max_staleness) else cfg.rollout.max_staleness
+    return gateway.expect(
+        version, cfg.publish.gate_hold_s, quota, cfg.publish.gate_refill_s, env_quotas, lead, batch_taken
+    )
 
 
 def env_shares(cfg: RunConfig) -> dict[str, int] | None:
@@ -453,6 +465,8 @@ def _one_step(
         log.info("step %d: nothing trainable in %d groups (%s); no update", state.step, len(groups), why)
         if hold is not None:  # nothing is coming: let the held requests through on the current version
             hold = _close_gate(cfg, gateway, state.version)
+        elif cfg.share_quota():  # the batch it took was the version's: the next one may start on it
+            _close_gate(cfg, gateway, state.version, batch_taken=True)
     row = _metrics_row(state, groups, split, converted, train, times)
     if env_names is not None:  # a mixed run: the same counts per environment
         envs = [spec.name for spec in cfg.rollout.env_specs()]

@@ -391,7 +391,11 @@ async def test_without_the_gate_each_publish_opens_a_fresh_share_and_resent_quot
         again = asyncio.create_task(client.post("/generate", json=body, headers=a))
         await asyncio.sleep(0.2)
         assert not again.done()  # version 1's share went to the held request
-        no_update = {**quotas, "version": 1, "batch_taken": True}  # a step took version 1's batch, made no update
+        no_update = {
+            **quotas,
+            "version": 1,
+            "batch_taken": True,
+        }  # a step took version 1's batch, made no update
         assert (await client.post("/policy/expect", json=no_update)).json()["holding_for"] is None
         assert (await asyncio.wait_for(again, 10)).headers["x-policy-version"] == "1"
         again = asyncio.create_task(client.post("/generate", json=body, headers=a))

@@ -126,10 +126,7 @@ def env_command(cfg: RunConfig, model_path: str, worker: int, spec: EnvSpec | No
     """One environment process (`spec`: one of cfg.rollout.env_specs(); None = the first, rollout.env alone)."""
     r = cfg.rollout
     spec = spec or r.env_specs()[0]
-    # Atropos caps queued + in-flight rollouts at this many batches, which bounds their lag in versions. With
-    # min_batch_allocation (a mixed run) each environment keeps one group more queued, a batch older: one version
-    # of the staleness window goes to it.
-    offpolicy = r.max_batches_offpolicy or max(1, r.max_staleness - (1 if r.envs else 0))
+    offpolicy = cfg.env_batches_offpolicy()
     flags: dict[str, Any] = {
         "env.rollout_server_url": cfg.launch.run_api_url,
         "env.group_size": spec.group_size,

@@ -368,7 +368,8 @@ class RolloutConfig(_Section):
         None,
         ge=1,
         description="batches the env may keep queued or in flight; None = max(1, max_staleness), "
-        "or max(1, max_staleness - 1) in a mixed run (rollout.envs)",
+        "or max(1, max_staleness - 1) in a mixed run (rollout.envs), 2 in a mixed run at max_staleness 1 whose "
+        "environments the gateway holds to their share per version (publish.gate_quota)",
     )
     env_args: dict[str, Any] = Field(default_factory=dict, description="extra --env.<key> <value> flags")
     missing_logprobs: Literal["recompute", "drop"] = Field(
@@ -388,6 +389,18 @@ class RolloutConfig(_Section):
         gt=0,
         description="a mixed run: once the trainer has waited this long for a batch that an environment sending "
         "nothing holds back, the batch forms without that environment's share (the shortfall is counted)",
+    )
+    refill_zero_variance: bool = Field(
+        False,
+        description="dynamic sampling: leave out groups whose rewards are all equal (zero advantage, no gradient) "
+        "and give their places to further groups before the step trains, up to rollout.refill_max_groups per step; "
+        "groups a step does not need wait for the next one",
+    )
+    refill_max_groups: int | None = Field(
+        None,
+        ge=1,
+        description="equal-reward groups a step may leave out with rollout.refill_zero_variance; past it the step "
+        "trains what it has (a solved task cannot stall the run); None = rollout.groups_per_step",
     )
 
     @property
@@ -758,6 +771,11 @@ class RunConfig(_Section):
                     f"inference.{key} is set by the launcher from launch.backend and the tinker: "
                     "section; remove it from the config"
                 )
+        if self.rollout.refill_zero_variance and self.distill.on:
+            raise ValueError(
+                "rollout.refill_zero_variance=true with distill: distillation trains equal-reward groups too "
+                "(the teacher's signal does not need a spread of rewards); set rollout.refill_zero_variance=false"
+            )
         if self.loss.tis_cap is not None and self.loss_name not in RATIO_LOSSES:
             key = "distill.loss" if self.loss_name != self.loss.name else "loss.name"
             raise ValueError(f"loss.tis_cap applies to ratio losses, not {key}={self.loss_name!r}")
@@ -812,6 +830,20 @@ class RunConfig(_Section):
         staleness = self.rollout.max_staleness
         mixed_lag_one = bool(self.rollout.envs) and staleness == 1
         return self.publish.gate_quota and (self.publish.gate_on(staleness) or mixed_lag_one)
+
+    def env_batches_offpolicy(self) -> int:
+        """atroposlib's cap on each environment's queued + in-flight rollouts, in batches (which bounds their lag
+        in versions): rollout.max_batches_offpolicy, or its default. With min_batch_allocation (a mixed run) each
+        environment keeps one group more queued, a batch older: one version of the staleness window goes to it.
+        Where the gateway's share quota paces a mixed run without the gate, the quota bounds the lag instead, and a
+        cap of one batch would stop environments from starting the next version's share while the last batch is
+        still queued: the sampler would idle at each publish (benchmarks/RESULTS.md, a mixed run at max_staleness 1)."""
+        r = self.rollout
+        if r.max_batches_offpolicy:
+            return r.max_batches_offpolicy
+        if r.envs and self.share_quota() and not self.publish.gate_on(r.max_staleness):
+            return r.max_staleness + 1
+        return max(1, r.max_staleness - (1 if r.envs else 0))
 
     def normalize_std(self) -> bool:
         if self.advantage.normalize_std is None:

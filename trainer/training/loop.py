@@ -54,6 +54,7 @@ from trainer.training.retries import ComponentDown, describe
 from trainer.training.runapi_client import RunApi, Stopper, StopRequested, sampled_tokens, wait_for_batch
 from trainer.training.schedule import build_adam_params
 from trainer.training.staleness import StalenessSplit, split_by_staleness, versions_by_group
+from trainer.training.topup import Reserve
 
 log = logging.getLogger("trainer.training.loop")
 
@@ -129,6 +130,7 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     )
     run = RunTally(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step)
     pending: PendingStep | None = None
+    reserve = Reserve() if cfg.rollout.refill_zero_variance else None
     shares = env_shares(cfg) if quota else None
     refill = ShortRefill(shares, cfg.publish.gate_refill_s, api, gateway) if shares else None
 
@@ -153,7 +155,16 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
             waiting_since = time.monotonic()
             if refill is not None:
                 refill.waiting()
-            groups = wait_for_batch(api, cfg.trainer.batch_poll_s, stopper, meanwhile)
+            topped = None
+            if reserve is None:
+                groups = wait_for_batch(api, cfg.trainer.batch_poll_s, stopper, meanwhile)
+            else:
+                topped = reserve.fill(
+                    lambda: wait_for_batch(api, cfg.trainer.batch_poll_s, stopper, meanwhile),
+                    cfg.rollout.batch_size,
+                    cfg.rollout.refill_max_groups or cfg.rollout.groups_per_step,
+                )
+                groups = topped.groups
             finish_pending(block=True)
             served = _ensure_gateway_policy(gateway, publisher, run_dir, state)
             if quota and not gate and served.instance != quota_on:  # a restarted gateway starts with no quota
@@ -169,6 +180,8 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
             pending.row["gateway/continuations_total"] = float(served.gate_continuations_total)
             if cfg.rollout.envs:
                 pending.row.update(api.shortfalls())
+            if topped is not None:
+                pending.row.update(topped.row())
             if not publisher.overlap:
                 _finish_step(cfg, backend, metrics, run, pending, state, api, run_dir)
                 pending = None

@@ -1,4 +1,5 @@
 """A shared engine (`launch.sh engine`, the session's `shared_engine`): toy runs attach to it one after another
+(the first with dynamic sampling, rollout.refill_zero_variance)
 with `inference.engine_url`, pay no vLLM start, each learn, and do not see each other's versions or samples; a
 second run is refused while the first holds the lease, and attaches once a killed holder's lease lapses; a kill -9 of
 vLLM under an attached run is healed by the engine and the run finishes; the killed run resumes on the engine. One test for all of it: each run costs a
@@ -58,12 +59,19 @@ def test_runs_attach_one_at_a_time_learn_keep_their_own_versions_and_ride_out_a_
     tmp_path, shared_engine: SharedEngine
 ):
     url = shared_engine.url
-    # 1. A whole toy run on the engine: it learns, and what it sampled is in the ledger under its versions.
+    # 1. A whole toy run on the engine, with dynamic sampling: it learns, and what it sampled is in the ledger under
+    # its versions. Equal-reward groups (the toy's early all-0 groups, its solved all-1 ones) are left out and
+    # replaced; one stays in a step's batch only once the step has left out its bound of them.
     first = tmp_path / "first"
-    rc, out, _ = run_launch(attached(first, url), 600)
+    rc, out, _ = run_launch(attached(first, url, "rollout.refill_zero_variance=true"), 600)
     assert rc == 0, out[-3000:]
     assert "attached to the engine at" in out and "waiting for the gateway and vLLM" not in out
     assert_learned(rewards(first))
+    rows = read_metrics(first)
+    assert sum(r["rollouts/zero_variance_groups_replaced"] for r in rows) > 0
+    assert sum(r["rollouts/zero_variance_batches_fetched"] for r in rows) > len(rows)  # batches beyond one a step
+    for r in rows:
+        assert not r["rollouts/groups_zero_variance"] or r["rollouts/zero_variance_bound_reached"] == 1, r
     record = json.loads((first / "engine.json").read_text())
     assert record["engine_url"] == url and "publish_token" not in record
     assert not (first / "gateway.yaml").exists()

@@ -368,8 +368,7 @@ class RolloutConfig(_Section):
         None,
         ge=1,
         description="batches the env may keep queued or in flight; None = max(1, max_staleness), "
-        "or max(1, max_staleness - 1) in a mixed run (rollout.envs), 2 in a mixed run at max_staleness 1 whose "
-        "environments the gateway holds to their share per version (publish.gate_quota)",
+        "or max(1, max_staleness - 1) in a mixed run (rollout.envs)",
     )
     env_args: dict[str, Any] = Field(default_factory=dict, description="extra --env.<key> <value> flags")
     missing_logprobs: Literal["recompute", "drop"] = Field(
@@ -835,15 +834,10 @@ class RunConfig(_Section):
         """atroposlib's cap on each environment's queued + in-flight rollouts, in batches (which bounds their lag
         in versions): rollout.max_batches_offpolicy, or its default. With min_batch_allocation (a mixed run) each
         environment keeps one group more queued, a batch older: one version of the staleness window goes to it.
-        Where the gateway's share quota paces a mixed run without the gate, the quota bounds the lag instead, and a
-        cap of one batch would stop environments from starting the next version's share while the last batch is
-        still queued: the sampler would idle at each publish (benchmarks/RESULTS.md, a mixed run at max_staleness 1)."""
+        (Raising it to 2 where the share quota paces a mixed run at max_staleness 1 sampled more per minute but let
+        a backlog of a version-old group form: 15% of one environment's sequences stale in one of three runs.)"""
         r = self.rollout
-        if r.max_batches_offpolicy:
-            return r.max_batches_offpolicy
-        if r.envs and self.share_quota() and not self.publish.gate_on(r.max_staleness):
-            return r.max_staleness + 1
-        return max(1, r.max_staleness - (1 if r.envs else 0))
+        return r.max_batches_offpolicy or max(1, r.max_staleness - (1 if r.envs else 0))
 
     def normalize_std(self) -> bool:
         if self.advantage.normalize_std is None:

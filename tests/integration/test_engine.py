@@ -69,7 +69,9 @@ def test_runs_attach_one_at_a_time_learn_keep_their_own_versions_and_ride_out_a_
     assert_learned(rewards(first))
     rows = read_metrics(first)
     assert sum(r["rollouts/zero_variance_groups_replaced"] for r in rows) > 0
-    assert sum(r["rollouts/zero_variance_batches_fetched"] for r in rows) > len(rows)  # batches beyond one a step
+    assert sum(r["rollouts/zero_variance_batches_fetched"] for r in rows) > len(
+        rows
+    )  # batches beyond one a step
     for r in rows:
         assert not r["rollouts/groups_zero_variance"] or r["rollouts/zero_variance_bound_reached"] == 1, r
     record = json.loads((first / "engine.json").read_text())

@@ -80,7 +80,9 @@ def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_o
     # Episodes finish on their version: a 3-turn episode's later turns pass the closed gate and the quota, so few
     # episodes span a publish and are dropped as stale (16 of 480 sequences in one run; a refill on the current
     # version, when the environment looked short of its share while its episodes were still running, starts some).
-    multi = {k: sum(r.get(f"rollouts/multi/sequences_{k}", 0) for r in rows) for k in ("received", "dropped_stale")}
+    multi = {
+        k: sum(r.get(f"rollouts/multi/sequences_{k}", 0) for r in rows) for k in ("received", "dropped_stale")
+    }
     assert multi["dropped_stale"] <= 0.10 * multi["received"], multi
     # The real client's later turns are recognised by the gateway as continuations of the turns it sampled: that is
     # what lets them pass the closed on-policy gate and its quota on their episode's version (the gate's side is

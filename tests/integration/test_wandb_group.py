@@ -37,6 +37,14 @@ from trainer.training.runapi_client import RunApi, sampled_tokens, wait_for_batc
 from trainer.training.wandb_group import wandb_group
 
 STEPS = 4
+# Every kind of secret a run's config can hold: a key named as one, a flag's value in an argument list, the
+# credential part of a URL. None may reach the run's folder (W&B's files included).
+SECRETS = {
+    "inference.publish_token": "publish-Zq81xT",
+    "service.api_key": "service-Kd02pW",
+    "service.gateway_token": "gateway-Rm55vB",
+}
+ARG_SECRET, URL_SECRET = "vllm-key-Hy73cN", "url-pass-Tt19aQ"
 
 
 def read_wandb_run(run_folder: Path) -> list[dict[str, Any]]:
@@ -92,6 +100,8 @@ def test_the_runs_wandb_group_holds_trainer_environment_and_eval_metrics(
             f"rollout.num_steps={STEPS}",
             "eval.every_steps=2",
             "eval.max_items=2",
+            *(f"{k}={v}" for k, v in SECRETS.items()),
+            f"inference.vllm.extra_args=[--api-key, {ARG_SECRET}, '--x-url=https://u:{URL_SECRET}@x.example/']",
         ],
     )
     for key in [k for k in os.environ if k.startswith("WANDB_")]:
@@ -154,6 +164,11 @@ def test_the_runs_wandb_group_holds_trainer_environment_and_eval_metrics(
     assert {"train/completion_lengths", "train/rollouts._type"} <= env_keys, env_keys
     assert not any(k.startswith("toy-0_") for k in env_keys), env_keys
     assert env_run["config"]["update"]["group_size"] == cfg.rollout.group_size
+    assert trainer_run["config"]["update"]["inference"]["publish_token"] == "<hidden>"
+    for path in (p for p in run_dir.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        for secret in [*SECRETS.values(), ARG_SECRET, URL_SECRET]:
+            assert secret.encode() not in data, f"{secret} in {path}"
 
 
 def meanwhile(env: Any, evaluator: Evaluator, deadline: float) -> None:

@@ -388,6 +388,13 @@ def refusals() -> list[tuple[str, Any, dict[str, float] | None, str, str]]:
             "sess-0:train:0",
             r"do not apply to 'stable_reinforce' \(it takes: \['kl_coeff'\]\)",
         ),
+        (
+            "a flood of empty runs",  # a million of them once held the service's event loop 2.6 s
+            lambda ids, got: respan(base(ids, got), model_input=[P(sequence_id=ids[0], length=0)] * 100_000),
+            None,
+            "sess-0:train:0",
+            r"data\[0\]\.model_input_spans: 100000 runs for 6 positions; runs tile the field",
+        ),
     ]
 
 

@@ -226,10 +226,21 @@ def session_of(some_id: str) -> str:
     return some_id.split(":", 1)[0]
 
 
-def _spans(datum: pb.Datum, field_name: str) -> list[tuple[str, str, int, int]]:
-    """(kind, sequence_id, offset, length) of each run, kind 'prompt' or 'sampled'."""
+MAX_EMPTY_SPANS = 64  # zero-length runs tolerated beyond one per position
+
+
+def _spans(datum: pb.Datum, field_name: str, positions: int, where: str) -> list[tuple[str, str, int, int]]:
+    """(kind, sequence_id, offset, length) of each run, kind 'prompt' or 'sampled'. Runs that tile `positions`
+    tokens number at most that many (an empty run adds nothing): more is refused before any is read, so a body
+    of a million empty runs costs the event loop nothing."""
+    runs = getattr(datum, field_name)
+    if len(runs) > positions + MAX_EMPTY_SPANS:
+        raise UserError(
+            f"{where}: {len(runs)} runs for {positions} positions; runs tile the field, so there are at most as "
+            "many as positions (Datum.with_provenance makes one per sampled stretch)"
+        )
     out = []
-    for span in getattr(datum, field_name):
+    for span in runs:
         kind = span.WhichOneof("span")
         arm = span.prompt_tokens if kind == "prompt_tokens" else span.sampled_tokens
         out.append(
@@ -308,11 +319,10 @@ def _stable_reinforce_provenance(
             "from a sampling client created with record_stability_info=True)"
         )
     where = f"data[{index}]"
-    _resolve(
-        _spans(datum, "model_input_spans"), np.asarray(ids), f"{where}.model_input_spans", session, records
-    )
+    field = f"{where}.model_input_spans"
+    _resolve(_spans(datum, "model_input_spans", len(ids), field), np.asarray(ids), field, session, records)
     provenance = _resolve(
-        _spans(datum, "loss_fn_input_spans"),
+        _spans(datum, "loss_fn_input_spans", len(targets), f"{where}.loss_fn_input_spans"),
         np.asarray(targets),
         f"{where}.loss_fn_input_spans",
         session,

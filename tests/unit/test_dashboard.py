@@ -107,6 +107,41 @@ def test_a_long_run_is_thinned_and_keeps_its_spike(tmp_path: Path) -> None:
     assert len(xs) <= MAX_POINTS and 9.0 in ys and xs == sorted(xs)
 
 
+def test_a_file_past_the_rows_held_is_read_in_chunks_in_bounded_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1 GB metrics.jsonl (a long run) parsed whole took its size several times over in memory. Here 30,000 rows
+    with the dashboard holding 1,000: the file is read in 1 MB chunks, the rows are thinned as they come, and the
+    newest row is still the page's."""
+    import tracemalloc
+
+    from trainer.readout import dashboard_data
+
+    monkeypatch.setattr(dashboard_data, "MAX_ROWS", 1000)
+    monkeypatch.setattr(dashboard_data, "READ_CHUNK_BYTES", 1 << 20)
+    path = tmp_path / "long" / "metrics.jsonl"
+    pad = {f"x/{k}": 0.25 for k in range(4)}
+    write_rows(path, [{**step_row(s), **pad} for s in range(1, 30_001)])
+    reader = dashboard_data.Reader()
+    tracemalloc.start()
+    metrics, key = reader.metrics(path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    print(f"peak {peak / 2**20:.1f} MiB")
+    assert len(metrics.rows) <= 1001 and metrics.rows[-1]["step"] == 30_000
+    steps = [r["step"] for r in metrics.rows]
+    assert (
+        steps == sorted(steps) and steps[0] <= 64 and steps[len(steps) // 2] > 10_000
+    )  # spread over the file
+    assert any("30000 rows; every 32th is shown" in p for p in metrics.problems), metrics.problems
+    assert peak < 12 << 20, peak  # chunks and held rows (42 MiB when every row was held)
+    write_rows(path, [step_row(30_001)])
+    grown, grown_key = reader.metrics(path)
+    assert grown.rows[-1]["step"] == 30_001 and grown_key == key  # stride unchanged: a poller appends
+    got = client(tmp_path).get("/api/series", params={"id": "0:long"}).json()
+    assert got["rows"] <= 1001 and max(got["series"]["reward/mean"][0]) == 30_001
+
+
 def test_half_written_and_missing_files_are_shown_not_failed(runs: Path) -> None:
     write_rows(runs / "toy-a" / "metrics.jsonl", [], tail='{"step": 4, "rew')
     c = client(runs)

@@ -35,6 +35,11 @@ from trainer.readout.runfolder import (
 from trainer.readout.summary import summarize_service_client
 
 MAX_POINTS = 2000  # per series and answer: the page draws every point it gets
+# Rows held per metrics file (~10 KB each parsed, ~3 KB on disk): past it every other one is let go, and then only
+# every 2nd, 4th... new one kept, so a 1 GB file costs about 100 MB, not its parsed 3-4 GB. Curves are drawn
+# from at most MAX_POINTS points anyway.
+MAX_ROWS = 10_000
+READ_CHUNK_BYTES = 8 << 20  # a file is read this much at a time, never whole
 SEARCH_DEPTH = 2
 RUN_SERIES = (
     "reward/mean",
@@ -147,6 +152,8 @@ class _Tail:
     bad_lines: list[int]  # numbers of whole lines that are not JSON objects
     lines: int  # whole lines read
     metrics: Metrics
+    stride: int = 1  # every stride-th line (by its number) is kept in rows
+    newest: dict[str, Any] | None = None  # the newest row read, kept or not
 
 
 class Reader:
@@ -173,35 +180,36 @@ class Reader:
         if not stat.S_ISREG(st.st_mode):
             self._tails.pop(path, None)
             return Metrics([], [f"{path} is not a regular file: not read"]), ""
-        key = f"{st.st_dev}-{st.st_ino}"
         tail = self._tails.get(path)
         if tail is not None and (tail.inode, tail.size, tail.mtime_ns) == (
             st.st_ino,
             st.st_size,
             st.st_mtime_ns,
         ):
-            return tail.metrics, key
+            return tail.metrics, _key(st, tail)
         if tail is None or tail.inode != st.st_ino or st.st_size < tail.offset:  # new, replaced or cut short
             tail = _Tail(st.st_ino, 0, 0, 0, [], [], 0, Metrics([]))
         try:
-            with path.open("rb") as f:
-                f.seek(tail.offset)
-                data = f.read()
+            partial = self._read_lines(path, tail, st.st_size)
         except OSError as exc:
-            return Metrics([], [f"cannot read {path}: {exc}"]), key
-        whole, partial = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1 :]
-        self._parse(tail, whole.decode("utf-8", errors="replace"))
-        tail.offset += len(whole)
+            return Metrics([], [f"cannot read {path}: {exc}"]), _key(st, tail)
         tail.size, tail.mtime_ns = st.st_size, st.st_mtime_ns
-        problems, rows = [], tail.rows
+        problems, rows = [], list(tail.rows)
+        if tail.newest is not None and (not rows or rows[-1] is not tail.newest):
+            rows.append(tail.newest)  # the page's latest figures are the file's, kept or not
         last = _json_object(partial.decode("utf-8", errors="replace")) if partial.strip() else None
         if (
             last is not None
         ):  # whole but without its newline (a writer that died after the row): read_metrics reads it
-            rows = [*tail.rows, last]
+            rows.append(last)
         elif partial.strip():
             line = tail.lines + 1
             problems.append(f"{path}: the last line ({line}) is half-written (the run is still writing it?)")
+        if tail.stride > 1:
+            problems.append(
+                f"{path}: {tail.lines} rows; every {tail.stride}th is shown (the dashboard holds {MAX_ROWS} "
+                "per file), and the newest"
+            )
         if tail.bad_lines:
             shown = ", ".join(map(str, tail.bad_lines[:5])) + (" ..." if len(tail.bad_lines) > 5 else "")
             problems.append(
@@ -212,7 +220,27 @@ class Reader:
             tail.metrics
         )  # over all rows: a resume's restarted clock and counters span the whole file
         self._tails[path] = tail
-        return tail.metrics, key
+        return tail.metrics, _key(st, tail)
+
+    @staticmethod
+    def _read_lines(path: Path, tail: _Tail, size: int) -> bytes:
+        """Parse the whole lines written since tail.offset, a chunk at a time; returns the unfinished last one."""
+        carry = b""
+        with path.open("rb") as f:
+            f.seek(tail.offset)
+            remaining = size - tail.offset
+            while remaining > 0:
+                chunk = f.read(min(READ_CHUNK_BYTES, remaining))
+                if not chunk:
+                    break
+                remaining -= len(chunk)
+                data = carry + chunk
+                cut = data.rfind(b"\n") + 1
+                if cut:
+                    Reader._parse(tail, data[:cut].decode("utf-8", errors="replace"))
+                    tail.offset += cut
+                carry = data[cut:]
+        return carry
 
     @staticmethod
     def _parse(tail: _Tail, text: str) -> None:
@@ -221,10 +249,21 @@ class Reader:
             if not line.strip():
                 continue
             row = _json_object(line)
-            if row is not None:
-                tail.rows.append(row)
-            else:
+            if row is None:
                 tail.bad_lines.append(tail.lines)
+                continue
+            tail.newest = row
+            if tail.lines % tail.stride:
+                continue
+            tail.rows.append(row)
+            if len(tail.rows) > MAX_ROWS:
+                tail.rows = tail.rows[1::2]  # the even line numbers of the old stride: every 2*stride-th line
+                tail.stride *= 2
+
+
+def _key(st: os.stat_result, tail: _Tail) -> str:
+    """Changes when the file is replaced, and when its rows were thinned (a poller then starts over)."""
+    return f"{st.st_dev}-{st.st_ino}-{tail.stride}"
 
 
 def _json_object(text: str) -> dict[str, Any] | None:

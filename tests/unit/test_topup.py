@@ -71,8 +71,14 @@ def test_a_reserve_that_holds_a_batch_asks_run_api_for_nothing():
 
 
 def test_the_refill_is_off_by_default_and_refused_with_distillation():
-    cfg = load_config(RunConfig, None, ["rollout.env=toy"])
+    cfg = load_config(RunConfig, None, ["rollout.env=toy", "rollout.num_steps=30"])
     assert not cfg.rollout.refill_zero_variance and cfg.rollout.refill_max_groups is None
+    assert cfg.runapi_batches() == 30
+    # A step may take a further batch per groups_per_step replaced: run-api must not run dry before the last step
+    # (the environments stop sampling once it has handed out its num_steps batches).
+    on = ["rollout.env=toy", "rollout.num_steps=30", "rollout.refill_zero_variance=true"]
+    assert load_config(RunConfig, None, on).runapi_batches() == 60
+    assert load_config(RunConfig, None, [*on, "rollout.refill_max_groups=9"]).runapi_batches() == 90
     with pytest.raises(ConfigError, match=r"rollout\.refill_zero_variance=true with distill"):
         load_config(
             RunConfig, None, ["rollout.env=toy", "rollout.refill_zero_variance=true", "distill.teacher=tiny"]

@@ -830,6 +830,16 @@ class RunConfig(_Section):
         mixed_lag_one = bool(self.rollout.envs) and staleness == 1
         return self.publish.gate_quota and (self.publish.gate_on(staleness) or mixed_lag_one)
 
+    def runapi_batches(self) -> int:
+        """The batches run-api is told the run takes (its num_steps): the environments stop sampling once it has
+        handed out that many. With rollout.refill_zero_variance a step may take more than one: each replaced group
+        comes out of a further batch, so at most ceil(refill_max_groups / groups_per_step) more per step."""
+        r = self.rollout
+        if not r.refill_zero_variance:
+            return r.num_steps
+        replaced = r.refill_max_groups or r.groups_per_step
+        return r.num_steps * (1 + -(-replaced // r.groups_per_step))
+
     def env_batches_offpolicy(self) -> int:
         """atroposlib's cap on each environment's queued + in-flight rollouts, in batches (which bounds their lag
         in versions): rollout.max_batches_offpolicy, or its default. With min_batch_allocation (a mixed run) each

@@ -49,7 +49,7 @@ class RunApi:
             "checkpoint_dir": str(Path(cfg.trainer.output_dir) / "checkpoints"),
             "save_checkpoint_interval": cfg.trainer.checkpoint_every,
             "starting_step": starting_step,
-            "num_steps": cfg.rollout.num_steps,
+            "num_steps": cfg.runapi_batches(),
         }
         self.edge.call(lambda: checked(self._http.post("/register", json=body)), "/register")
 

@@ -133,7 +133,7 @@ def test_a_file_past_the_rows_held_is_read_in_chunks_in_bounded_memory(
     assert (
         steps == sorted(steps) and steps[0] <= 64 and steps[len(steps) // 2] > 10_000
     )  # spread over the file
-    assert any("30000 rows; every 32th is shown" in p for p in metrics.problems), metrics.problems
+    assert any("30000 rows; 1 in 32 is shown" in p for p in metrics.problems), metrics.problems
     assert peak < 12 << 20, peak  # chunks and held rows (42 MiB when every row was held)
     write_rows(path, [step_row(30_001)])
     grown, grown_key = reader.metrics(path)

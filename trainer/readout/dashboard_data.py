@@ -207,7 +207,7 @@ class Reader:
             problems.append(f"{path}: the last line ({line}) is half-written (the run is still writing it?)")
         if tail.stride > 1:
             problems.append(
-                f"{path}: {tail.lines} rows; every {tail.stride}th is shown (the dashboard holds {MAX_ROWS} "
+                f"{path}: {tail.lines} rows; 1 in {tail.stride} is shown (the dashboard holds {MAX_ROWS} "
                 "per file), and the newest"
             )
         if tail.bad_lines:

@@ -843,9 +843,8 @@ class RunConfig(_Section):
     def env_batches_offpolicy(self) -> int:
         """atroposlib's cap on each environment's queued + in-flight rollouts, in batches (which bounds their lag
         in versions): rollout.max_batches_offpolicy, or its default. With min_batch_allocation (a mixed run) each
-        environment keeps one group more queued, a batch older: one version of the staleness window goes to it.
-        (Raising it to 2 where the share quota paces a mixed run at max_staleness 1 sampled more per minute but let
-        a backlog of a version-old group form: 15% of one environment's sequences stale in one of three runs.)"""
+        environment keeps one group more queued, a batch older: one version of the staleness window goes to it
+        (under the share quota too: a cap of 2 there let a version-old backlog form, benchmarks/RESULTS.md)."""
         r = self.rollout
         return r.max_batches_offpolicy or max(1, r.max_staleness - (1 if r.envs else 0))
 

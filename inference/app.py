@@ -46,7 +46,16 @@ from inference.http.tokenin import tokenin_routes
 from inference.http.tokens import token_routes
 from inference.policy.gate import Gate
 from inference.policy.lease import LeaseBook
-from inference.policy.probe_check import ProbeCheck, calibrated_tolerance, compare_probe, separation
+from inference.policy.probe_check import (
+    NoiseFloor,
+    ProbeCheck,
+    calibrated_tolerance,
+    compare_probe,
+    margin,
+    mean_distance,
+    refusal_cause,
+    separation,
+)
 from inference.policy.registry import Policy, PolicyRegistry, Recorded, VersionLedger
 from inference.samplers.lanes import SoloLane, scoring_runs_alone
 from inference.wire import (
@@ -128,9 +137,9 @@ class Gateway:
         self.stats = RequestStats()
         self.continuations_moved = 0  # episode turns sampled on another version than their episode's
         self.stop_notices = LogLimiter(burst=1, window_s=60.0)  # one INFO line per route and minute
-        # The base model's mean |vLLM - trainer| on a probe's prompts, measured once per gateway (before any
-        # adapter has used a LoRA slot): the noise floor of the `mean` verification statistic.
-        self.base_noise: dict[tuple[tuple[int, ...], ...], float] = {}
+        # The base model's mean |vLLM - trainer| on a probe's prompts, measured at every publish: the noise floor
+        # of the `mean` verification statistic, per probe (inference/policy/probe_check.py).
+        self.base_noise: dict[tuple[tuple[int, ...], ...], NoiseFloor] = {}
         # A shared engine's lease (inference/http/engine.py): None for a run's own gateway.
         self.leases = LeaseBook(cfg.lease_ttl_s) if cfg.engine else None
 
@@ -299,6 +308,7 @@ class Gateway:
             verify_mean_abs_diff=None if check is None else check.mean_abs_diff,
             verify_tolerance=None if check is None else check.tolerance,
             verify_noise=noise,
+            verify_margin=None if check is None else margin(check),
             verify_separation=None if check is None else check.separation,
             verify_s=verify_s,
         )
@@ -323,26 +333,31 @@ class Gateway:
             return served_top_logprobs(await self.backend.forward("/v1/completions", body, policy))
 
     async def _calibrate(self, probe: PublishProbe) -> float | None:
-        """The `mean` statistic's noise floor: the base model on both sides of the probe. A base that does not
-        even share its top tokens with the trainer's base is not the trainer's model: nothing can be verified."""
+        """The `mean` statistic's noise floor: the base model on both sides of the probe, measured now and folded
+        into the probe's rolling estimate (a vLLM restart starts it afresh). A base that does not even share its
+        top tokens with the trainer's base is not the trainer's model: nothing can be verified."""
         if probe.statistic != "mean" or "base" not in probe.references:
             return None
-        key = tuple(tuple(prompt) for prompt in probe.prompts)
-        if key not in self.base_noise:
-            check = compare_probe(
-                probe.references["base"], await self._probe_answer(probe, self.registry.base), 1.0
+        check = compare_probe(
+            probe.references["base"], await self._probe_answer(probe, self.registry.base), 1.0
+        )
+        if not math.isfinite(check.mean_abs_diff):
+            raise BackendError(
+                422,
+                "publish verification: vLLM's base model does not give the trainer's base-model logprobs on "
+                f"the probe prompts ({check.describe()}); the gateway serves another model than the "
+                "trainer trains, or a broken one. Check inference.model against model.path",
+                reason="verification_failed",
             )
-            if not math.isfinite(check.mean_abs_diff):
-                raise BackendError(
-                    422,
-                    "publish verification: vLLM's base model does not give the trainer's base-model logprobs on "
-                    f"the probe prompts ({check.describe()}); the gateway serves another model than the "
-                    "trainer trains, or a broken one. Check inference.model against model.path",
-                    reason="verification_failed",
-                )
-            self.base_noise[key] = check.mean_abs_diff
-            log.info("publish verification calibrated on the base model: %s", check.describe())
-        return self.base_noise[key]
+        floor = self.base_noise.setdefault(tuple(tuple(prompt) for prompt in probe.prompts), NoiseFloor())
+        restarts = self.backend.restarts
+        if restarts != floor.process:
+            log.info(
+                "publish verification calibrates on the base model (vLLM process %d): %s",
+                restarts,
+                check.describe(),
+            )
+        return floor.add(check.mean_abs_diff, restarts)
 
     async def _verify(
         self, policy: Policy, probe: PublishProbe, loaded_now: bool, noise: float | None
@@ -368,11 +383,14 @@ class Gateway:
         )
         if check.passed:
             return check, time.perf_counter() - started
+        served_from = {name: mean_distance(ref, served) for name, ref in probe.references.items()}
+        cause = refusal_cause(check, noise, served_from)
         log.error(
-            "publish of version %d refused: the loaded adapter %s does not give the trainer's logprobs (%s)",
+            "publish of version %d refused: the loaded adapter %s does not give the trainer's logprobs (%s): %s",
             policy.version,
             policy.adapter_path,
             check.describe(),
+            cause,
         )
         if loaded_now:
             with contextlib.suppress(BackendError):
@@ -380,13 +398,14 @@ class Gateway:
         raise BackendError(
             422,
             f"publish verification failed for version {policy.version} ({policy.adapter_path}): "
-            f"{check.describe()}. The adapter vLLM loaded is not the one the trainer holds; it was not made "
-            "current. Check that the folder was written completely and matches the trainer's base model",
+            f"{check.describe()}. Cause: {cause}; it was not made current. Check that the folder was written "
+            "completely and matches the trainer's base model",
             reason="verification_failed",
             detail={
                 "max_abs_diff": check.max_abs_diff if math.isfinite(check.max_abs_diff) else None,
                 "mean_abs_diff": check.mean_abs_diff if math.isfinite(check.mean_abs_diff) else None,
                 "tolerance": check.tolerance,
+                "noise": noise,
                 "compared": check.compared,
             },
         )

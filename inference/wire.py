@@ -317,11 +317,12 @@ class PublishResponse(BaseModel):
     held_requests: int = 0
     # The probe check (null without a probe): largest and mean |vLLM - trainer| logprob over the compared
     # positions, the tolerance applied to the probe's statistic (calibrated for `mean`), the base model's own
-    # mean difference that calibrated it, and how far the wrong candidates sat (inference/policy/probe_check.py).
+    # mean difference that calibrated it (a rolling estimate), and how far the wrong candidates sat (inference/policy/probe_check.py).
     verify_max_abs_diff: float | None = None
     verify_mean_abs_diff: float | None = None
     verify_tolerance: float | None = None
     verify_noise: float | None = None
+    verify_margin: float | None = None  # the share of the tolerance left unused: 1 exact, 0 at the edge
     verify_separation: float | None = None
     verify_s: float | None = None
 

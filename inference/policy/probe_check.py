@@ -9,15 +9,17 @@ at least half of each list must be shared.
 
 Two statistics. `max` (float32 end to end): the largest difference, exact to ~1e-5. `mean` (any bfloat16): the
 mean difference, because bf16 moves single logprobs by 0.1-0.3 (its spacing is 0.125 for logits in [16, 32)) while
-a wrong adapter moves most of them. Its tolerance is calibrated: the gateway measures the base model on both sides
-once (`calibrated_tolerance`) and allows a multiple of that noise plus a share of the adapter's own effect on the
-probe, since a bf16 adapter's rounding grows with its weights. The trainer also sends its logprobs under weights
+a wrong adapter moves most of them. Its tolerance is calibrated: at every publish the gateway measures the base model
+on both sides (`NoiseFloor`: a rolling estimate, started afresh by each vLLM restart, since another process's numerics
+are another noise) and allows a multiple of that noise plus a share of the adapter's own effect on the probe
+(`calibrated_tolerance`), since a bf16 adapter's rounding grows with its weights. The trainer also sends its logprobs under weights
 the served adapter could wrongly be (the base model, the previous version); how far those sit from the expected
 ones, in tolerances, is the check's `separation`: >1 means serving one of them would have been refused.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -89,6 +91,52 @@ def mean_distance(a: TopLogprobs, b: TopLogprobs) -> float:
     """Mean |a - b| over the shared ids of two sets of top-k lists (inf when they barely overlap): how far apart
     two weights' probe answers are, in the `mean` statistic's units."""
     return compare_probe(a, b, 1.0, "mean").mean_abs_diff
+
+
+NOISE_WINDOW = 8  # base-model measurements the rolling noise estimate keeps (per vLLM process)
+
+
+class NoiseFloor:
+    """The `mean` statistic's noise: the base model's mean |vLLM - trainer| on a probe's prompts, measured at each
+    publish. The estimate is the larger of the rolling median (robust to one quiet measurement) and the newest
+    (vLLM's numerics move with what else is in its batch at that moment, and the adapter is checked in the same
+    moment). A new vLLM process starts the window afresh."""
+
+    def __init__(self) -> None:
+        self.window: list[float] = []
+        self.process = -1  # the vLLM restart count the window belongs to
+
+    def add(self, noise: float, process: int) -> float:
+        if process != self.process:
+            self.window, self.process = [], process
+        self.window = [*self.window[-(NOISE_WINDOW - 1) :], noise]
+        return max(statistics.median(self.window), noise)
+
+
+def refusal_cause(check: ProbeCheck, noise: float | None, served_from: dict[str, float]) -> str:
+    """What a refused check points at. `served_from`: vLLM's answer's mean distance to each wrong candidate the
+    trainer sent (the base model, the previous version). Nearer one of them than to the version published: vLLM
+    serves that. Else, just past the tolerance: vLLM's numerics (its base model alone differs by `noise`). Else an
+    adapter that is neither."""
+    value = check.value
+    if served_from:
+        name, distance = min(served_from.items(), key=lambda item: item[1])
+        if distance < value:
+            return (
+                f"the adapter: vLLM's answer is nearer the {name}'s ({distance:.3g}) than the version published "
+                f"({value:.3g})"
+            )
+    if math.isfinite(value) and value <= 2 * check.tolerance:
+        base = "" if noise is None else f"; its base model alone differs by {noise:.3g}"
+        return f"probably vLLM's numerics: within twice the tolerance and nearer nothing else{base}"
+    return "the adapter: vLLM's answer is none the trainer expects (a folder written in part, or another model's)"
+
+
+def margin(check: ProbeCheck) -> float:
+    """How much of the tolerance a check left unused: 1 exact, 0 at the edge, negative when refused."""
+    if check.tolerance <= 0 or not check.compared:
+        return float("-inf")
+    return (check.tolerance - check.value) / check.tolerance
 
 
 def calibrated_tolerance(floor: float, base_noise: float, adapter_effect: float) -> float:

@@ -116,6 +116,7 @@ def test_a_bf16_run_stops_on_sigterm_resumes_learns_and_evaluates(tmp_path, shar
         assert row["tokens/forward_computed"] <= 1.02 * row["tokens/forward"], row
         assert row["publish/verify_failures"] == 0, row
         assert row["publish/verify_mean_abs_diff"] <= row["publish/verify_tolerance"], row
+        assert 0.0 <= row["publish/verify_margin"] <= 1.0, row
         assert row["publish/verify_separation"] is not None and row["publish/verify_noise"] is not None, row
         assert 0.0 <= row["importance/masked_fraction"] <= 1.0, row
     assert yaml.safe_load((run_dir / "gateway.yaml").read_text())["vllm"]["dtype"] == "bfloat16"

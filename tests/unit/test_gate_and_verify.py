@@ -640,14 +640,52 @@ async def test_the_mean_statistic_is_calibrated_on_the_base_and_passes_bf16_nois
         )
         assert reply["verify_tolerance"] == pytest.approx(4 * 0.1 + 0.03 * 0.5)
         assert reply["verify_separation"] == pytest.approx(0.5 / reply["verify_tolerance"])
+        assert reply["verify_margin"] == pytest.approx(1 - 0.1 / reply["verify_tolerance"])
         assert backend.probed == [
             reg.base.model_name,
             "policy-v1",
-        ]  # the base first, before any slot was used
-        # Calibrated once per gateway: the next publish probes only its own adapter.
+        ]  # the base first, before the adapter loads
+        # Every publish measures the base again: the noise is tracked, not fixed at the first publish.
         body = publish_body(2, make_adapter(tmp_path, "a2")) | {"probe": mean_probe(2, base=0, previous=1)}
         assert (await client.post("/policy/publish", json=body)).status_code == 200
-        assert backend.probed == [reg.base.model_name, "policy-v1", "policy-v2"]
+        assert backend.probed == [reg.base.model_name, "policy-v1", reg.base.model_name, "policy-v2"]
+
+
+async def test_the_noise_is_measured_again_after_a_vllm_restart(tmp_path):
+    """A quiet first vLLM process, then a restarted one whose numerics are noisier: its publish is held to its own
+    noise (the old window is dropped), and a quiet measurement later does not hide the noise the median holds."""
+    backend = NoisyBackend(noise=0.001)
+    client, _ = client_for(backend)
+    async with client:
+        for v in (1, 2, 3):
+            body = publish_body(v, make_adapter(tmp_path, f"a{v}")) | {"probe": mean_probe(v, base=0)}
+            assert (await client.post("/policy/publish", json=body)).json()["verify_noise"] == pytest.approx(
+                0.001
+            )
+        backend.restarts, backend.noise = (
+            1,
+            0.1,
+        )  # the gateway restarted vLLM; 0.1 fails any uncalibrated check
+        noises = []
+        for v, noise in ((4, 0.1), (5, 0.1), (6, 0.08)):
+            backend.noise = noise
+            body = publish_body(v, make_adapter(tmp_path, f"a{v}")) | {"probe": mean_probe(v, base=0)}
+            r = await client.post("/policy/publish", json=body)
+            assert r.status_code == 200, r.text
+            noises.append(r.json()["verify_noise"])
+        assert noises == pytest.approx([0.1, 0.1, 0.1])  # the window's median (0.1), not the newest (0.08)
+
+
+def test_the_noise_floor_is_the_larger_of_the_rolling_median_and_the_newest():
+    from inference.policy.probe_check import NOISE_WINDOW, NoiseFloor
+
+    floor = NoiseFloor()
+    assert [floor.add(x, 0) for x in (0.01, 0.03, 0.02, 0.001)] == [0.01, 0.03, 0.02, 0.015]
+    assert floor.add(0.5, 0) == 0.5  # a noisy moment counts at once: the adapter is checked in that moment
+    for _ in range(NOISE_WINDOW):
+        floor.add(0.002, 0)
+    assert floor.add(0.002, 0) == 0.002  # the old measurements left the window
+    assert floor.add(0.2, 1) == 0.2 and floor.window == [0.2]  # another vLLM process: a window of its own
 
 
 @pytest.mark.parametrize("served_as", ["previous", "base", "other"])
@@ -665,7 +703,25 @@ async def test_the_mean_statistic_still_refuses_a_wrong_adapter(tmp_path, served
         assert r.status_code == 422, r.text
         err = r.json()["error"]
         assert err["type"] == "verification_failed" and err["mean_abs_diff"] > err["tolerance"]
+        assert err["noise"] == pytest.approx(0.05)
+        if served_as != "other":  # served another known candidate: the message names it
+            assert f"nearer the {served_as}'s" in err["message"]
         assert reg.current.version == 1 and backend.unloaded[-1] == "policy-v2"
+
+
+def test_a_refusal_names_what_vllm_served_or_its_numerics():
+    from inference.policy.probe_check import ProbeCheck, refusal_cause
+
+    check = ProbeCheck(0.9, 0.5, 16, 0.2, "mean")
+    assert refusal_cause(check, 0.01, {"base": 0.05, "previous": 0.3}).startswith(
+        "the adapter: vLLM's answer is nearer the base's (0.05)"
+    )
+    assert refusal_cause(check, 0.01, {"previous": 0.6}).startswith("the adapter: vLLM's answer is none")
+    near_edge = ProbeCheck(0.5, 0.3, 16, 0.2, "mean")
+    assert refusal_cause(near_edge, 0.04, {"previous": 0.6}) == (
+        "probably vLLM's numerics: within twice the tolerance and nearer nothing else; its base model alone "
+        "differs by 0.04"
+    )
 
 
 async def test_a_base_model_that_is_not_the_trainers_refuses_every_publish(tmp_path):

@@ -473,6 +473,7 @@ async def test_rollback_to_an_older_loaded_version(tmp_path):
             "verify_mean_abs_diff": None,
             "verify_tolerance": None,
             "verify_noise": None,
+            "verify_margin": None,
             "verify_separation": None,
             "verify_s": None,
         }

@@ -407,6 +407,12 @@ class VLLMSettings:
     max_num_seqs: int | None
     kv_cache_dtype: str | None
     enforce_eager: bool = False  # no CUDA graphs
+    # What the slots hold: the versions kept behind the current one, and named adapters (eval).
+    keep_versions: int = 0
+    named_slots: int = 0
+    # Graphs with and without LoRA active: the gateway turns this off on CUDA (every request carries a LoRA);
+    # only a user's own --compilation-config in extra_args turns it back on.
+    specialize_lora: bool = False
 
     @classmethod
     def from_gateway(cls, gateway: dict[str, Any]) -> VLLMSettings:
@@ -422,11 +428,17 @@ class VLLMSettings:
             return None
 
         batched, seqs = flag("--max-num-batched-tokens"), flag("--max-num-seqs")
+        compilation = flag("--compilation-config") or "{}"
+        try:
+            specialize = bool(json.loads(compilation).get("cudagraph_specialize_lora", False))
+        except (ValueError, AttributeError):
+            specialize = False  # vLLM refuses what it cannot parse, with its own message
+        keep, named = int(gateway["keep_versions"]), int(gateway.get("named_slots") or 0)
         return cls(
             dtype=str(v["dtype"]),
             max_lora_rank=int(v["max_lora_rank"]),
             # vLLM's --max-loras, as the gateway passes it
-            max_loras=lora_slots(int(gateway["keep_versions"])) + int(gateway.get("named_slots") or 0),
+            max_loras=lora_slots(keep) + named,
             max_model_len=v["max_model_len"],
             gpu_memory_utilization=v["gpu_memory_utilization"],
             kv_cache_memory_bytes=v["kv_cache_memory_bytes"],
@@ -434,6 +446,17 @@ class VLLMSettings:
             max_num_seqs=int(seqs) if seqs else None,
             kv_cache_dtype=flag("--kv-cache-dtype"),
             enforce_eager=bool(v.get("enforce_eager")) or "--enforce-eager" in extra,
+            keep_versions=keep,
+            named_slots=named,
+            specialize_lora=specialize,
+        )
+
+    def slot_parts(self) -> str:
+        """What vLLM's --max-loras slots hold (rlcommon/slots.py), and its --max-cpu-loras."""
+        named = f" + {self.named_slots} named (eval)" if self.named_slots else ""
+        return (
+            f"{self.keep_versions} kept + current + publishing + base-zero-lora{named}; "
+            f"--max-cpu-loras {self.max_loras}"
         )
 
 
@@ -454,7 +477,7 @@ def build_vllm_plan(
         return 1 if m == "lm_head" else shape.dense_layers if m in MLP_PROJECTIONS else shape.layers
 
     per_slot = sum(layers_of(m) * v.max_lora_rank * sum(shapes[m]) for m in slot_modules)
-    note = f"{v.max_loras} x rank {v.max_lora_rank}"
+    note = f"{v.max_loras} x rank {v.max_lora_rank} ({v.slot_parts()})"
     if shape.experts is not None:
         # vLLM's fused-MoE LoRA buffers: every expert's gate, up and down A and B at max_lora_rank, per slot.
         e = shape.experts
@@ -473,10 +496,11 @@ def build_vllm_plan(
     )
     # The gateway always starts vLLM with --enable-lora; vLLM's CPU platform captures no graphs.
     graphs = count_cuda_graphs(v, seqs, tokens, lora=True) if on_cuda else (0, 0)
+    each = "without and with LoRA" if v.specialize_lora else "once, LoRA active"
     plan.add(
         "CUDA graphs (vLLM's estimate)",
         cuda_graph_bytes(shape, b, graphs, seqs, tokens),
-        f"{sum(graphs)} graphs: each batch size without and with LoRA" if sum(graphs) else "none captured",
+        f"{sum(graphs)} graphs: each batch size {each}" if sum(graphs) else "none captured",
     )
     plan.add("non-torch workspaces (allowance)", VLLM_RUNTIME_ALLOWANCE)
     kv_b = 1 if (v.kv_cache_dtype or "").startswith("fp8") else b
@@ -545,11 +569,12 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
 def count_cuda_graphs(v: VLLMSettings, seqs: int, tokens: int, lora: bool) -> tuple[int, int]:
     """(PIECEWISE, FULL) graphs vLLM 0.32 captures in its default FULL_AND_PIECEWISE mode: mixed batches at every
     capture size, decode-only batches at those up to max_num_seqs (vllm/v1/cudagraph_dispatcher.py). With LoRA
-    each is captured twice, without and with adapters active (cudagraph_specialize_lora defaults to True)."""
+    and cudagraph_specialize_lora (vLLM's default, which the gateway turns off on CUDA) each is captured twice,
+    without and with adapters active."""
     if v.enforce_eager:
         return 0, 0
     sizes = capture_sizes(seqs, tokens)
-    cases = 2 if lora else 1
+    cases = 2 if lora and v.specialize_lora else 1
     return len(sizes) * cases, sum(1 for s in sizes if s <= seqs) * cases
 
 

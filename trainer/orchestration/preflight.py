@@ -12,12 +12,15 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from trainer.training.config import ConfigError, RunConfig
 from trainer.training.distill import teacher_kind
+
+if TYPE_CHECKING:
+    from trainer.orchestration.memory_plan import MemoryPlan
 
 HUB_URL = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*"]
@@ -361,6 +364,30 @@ def check_teacher_tokenizer(student: str, teacher: str) -> list[str]:
     return problems
 
 
+def pin_kv_cache(cfg: RunConfig, plan: MemoryPlan, gateway: dict[str, Any] | None) -> list[str]:
+    """On a GPU vLLM shares with the trainer, give vLLM the plan's KV cache as --kv-cache-memory-bytes (written into
+    the run's config, hence gateway.yaml): without it vLLM sizes its cache from the free memory it sees while it
+    profiles, which after a healing restart includes the trainer's swinging activations (vLLM either refuses to
+    start or takes the trainer's room). The first start is the same either way: the plan's cache is what vLLM's
+    budget leaves. A value the user set is kept."""
+    vllm = dict(cfg.inference.get("vllm") or {})
+    if (
+        gateway is None
+        or not plan.on_cuda
+        or plan.gpu_bytes is None
+        or not plan.shared_replicas
+        or vllm.get("kv_cache_memory_bytes") is not None
+    ):
+        return []
+    kv = int(plan.vllm_facts["kv"])
+    cfg.inference = {**cfg.inference, "vllm": {**vllm, "kv_cache_memory_bytes": kv}}
+    return [
+        f"  vLLM shares its GPU with the trainer: --kv-cache-memory-bytes {kv} (the plan's KV cache, "
+        "inference.vllm.kv_cache_memory_bytes), so a vLLM restarted beside the trainer gets the same cache; "
+        "set the key to choose another"
+    ]
+
+
 def plan_memory(
     cfg: RunConfig, model_path: str, gateway: dict[str, Any] | None, dry_run: bool
 ) -> tuple[list[str], list[str]]:
@@ -408,6 +435,8 @@ def plan_memory(
         notes.append(why)
     lines = notes + format_plan(plan, source)
     problems = check_fit(plan, cfg, gateway)
+    if not problems:
+        lines += pin_kv_cache(cfg, plan, gateway)
     if probed is not None and not problems:
         need = plan.trainer.total + plan.shared_replicas * plan.vllm_facts.get("share", 0)
         if need > probed[1]:

@@ -12,9 +12,11 @@ Marked `gpu` (deselected by default, never in CI) and skipped without CUDA. It c
   4. vLLM on CUDA in bf16 behind the gateway (needs vLLM): two verified publishes (runtime LoRA load and unload)
      with their verification figures, the previous version's adapter refused, and a kill -9 of vLLM healed with
      the current version still served;
+  4b. the closed loop (needs vLLM): `bash launch.sh toy` on CUDA in bf16 (trainer, adapter and vLLM on one GPU, the
+     plan's KV cache pinned) learns the toy task with every publish verified at the first try;
   5. 2 NCCL ranks make the same update as 1 (needs 2 GPUs): tests/integration/test_distributed.py's gloo check on CUDA;
   6. `python -m benchmarks trainer --shape llama-3.1-8b --device cuda` prints its JSON with tokens/s.
-A box with torch, transformers and peft but no vLLM runs everything but 4.
+A box with torch, transformers and peft but no vLLM runs everything but 4 and 4b.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from tests.gpu.gpu_helpers import (
     report,
     run_ranks,
 )
-from tests.helpers import FIXTURE
+from tests.helpers import FIXTURE, assert_learned, launch_cmd, read_metrics, run_launch
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.config import RunConfig, load_config
 from trainer.training.gateway_client import GatewayClient, verification_failure
@@ -292,6 +294,38 @@ def test_vllm_on_cuda_verifies_bf16_publishes_refuses_the_previous_adapter_and_h
             client.close()
     del backend
     release_cuda_memory()
+
+
+def test_the_toy_recipe_learns_on_cuda_in_bf16_through_vllm(tmp_path):
+    """The whole loop as a CUDA user runs it: `bash launch.sh toy` with the trainer, the adapter and vLLM in bf16 on
+    one GPU. It learns, every version passes the calibrated verification at the first try, vLLM got the plan's KV
+    cache (a GPU it shares with the trainer), and the step time is reported."""
+    pytest.importorskip(
+        "vllm", reason="vLLM is not installed here: the closed loop needs the gpu extra's vLLM"
+    )
+    run_dir = tmp_path / "run"
+    overrides = [o for o in vllm_cuda_overrides(run_dir) if not o.startswith("trainer.output_dir=")]
+    rc, out, elapsed = run_launch(launch_cmd(run_dir, *overrides), 1800)
+    assert rc == 0, out[-4000:]
+    rows = read_metrics(run_dir)
+    assert_learned([r["reward/mean"] for r in rows])
+    assert all(r["publish/verify_failures"] == 0 for r in rows if r["loss"] is not None), rows
+    gateway = (run_dir / "gateway.yaml").read_text()
+    assert "kv_cache_memory_bytes: null" not in gateway, (
+        "a vLLM sharing the trainer's GPU gets the plan's cache"
+    )
+    times = sorted(r["time/step_s"] for r in rows if r.get("time/step_s") is not None)
+    report(
+        "toy_closed_loop_cuda_bf16",
+        steps=len(rows),
+        wall_s=round(elapsed, 1),
+        median_step_s=times[len(times) // 2] if times else None,
+        final_reward=rows[-1]["reward/mean"],
+        verify_margin_min=min(
+            (r["publish/verify_margin"] for r in rows if r.get("publish/verify_margin") is not None),
+            default=None,
+        ),
+    )
 
 
 def kill_vllm_and_wait(url: str, client: GatewayClient) -> dict[str, float]:

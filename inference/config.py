@@ -65,7 +65,8 @@ class VLLMConfig(BaseModel):
         1200.0,
         gt=0,
         description="deadline for the first real completion, seconds: a cold CUDA box compiles the model, builds the "
-        "LoRA kernels and captures CUDA graphs first",
+        "LoRA kernels and captures CUDA graphs first; meanwhile the gateway's log says every 30 s what vLLM's log "
+        "last said",
     )
     max_restarts: int = Field(5, ge=0, description="crash restarts per replica before it is given up")
     replicas: int = Field(1, ge=1, description="vLLM servers behind the gateway, each on its own port")

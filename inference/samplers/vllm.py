@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,20 @@ def build_vllm_command(
     if v.model_runner != "auto":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v.model_runner == "v2" else "0"
     return argv, env
+
+
+STARTUP_NOTE_S = 30.0  # how often a starting vLLM's progress is logged
+
+
+def last_line(path: Path, tail_bytes: int = 4096) -> str:
+    """The last non-empty line of a log (what a starting vLLM is doing), or a note that there is none yet."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = [x.strip() for x in f.read().decode("utf-8", "replace").splitlines() if x.strip()]
+    except OSError:
+        lines = []
+    return lines[-1][:300] if lines else "(nothing written yet)"
 
 
 def die_with_parent() -> None:
@@ -281,12 +296,22 @@ class VLLMBackend:
     async def _wait_until_completes(self) -> None:
         # /health turns 200 before the first request can fail (CPU attention): only a completion proves readiness.
         probe = {"model": self.cfg.served_model_name, "prompt": [0], "max_tokens": 1, "temperature": 0.0}
+        started = said = time.monotonic()
 
         async def completes() -> bool:
+            nonlocal said
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise BackendError(
                     503, f"vLLM exited with code {self.proc.returncode} while starting; read {self.log_path}"
+                )
+            if time.monotonic() - said >= STARTUP_NOTE_S:  # a cold GPU box compiles and captures for minutes
+                said = time.monotonic()
+                log.info(
+                    "vLLM still starting after %.0fs of %.0fs; its log's last line: %s",
+                    said - started,
+                    self.cfg.vllm.startup_timeout_s,
+                    last_line(self.log_path),
                 )
             with contextlib.suppress(httpx.HTTPError):
                 return (await self._client.post("/v1/completions", json=probe, timeout=30)).status_code == 200

@@ -678,3 +678,32 @@ def test_the_old_max_staleness_key_is_refused_naming_keep_versions(tmp_path):
         message = str(err.value)
         assert "\n" not in message and start in message and message.endswith(fix), message
         assert "inference.keep_versions (policy versions behind the current one that stay loaded)" in message
+
+
+async def test_a_slow_vllm_start_says_what_it_is_waiting_for(tmp_path, monkeypatch, caplog):
+    """A vLLM that answers nothing (a process that only writes its log): every STARTUP_NOTE_S the gateway logs how
+    long it has waited of the timeout and the log's last line, then gives up naming the log."""
+    import logging
+    import subprocess
+    import sys
+
+    from inference.errors import BackendError
+    from inference.samplers import vllm as vllm_mod
+
+    monkeypatch.setattr(vllm_mod, "STARTUP_NOTE_S", 0.2)
+    log_path = tmp_path / "vllm.log"
+    log_path.write_text("INFO loading weights\nINFO Capturing CUDA graphs (mixed prefill-decode): 40%\n\n")
+    cfg = GatewayConfig(model="m", vllm={"startup_timeout_s": 1.0})
+    backend = vllm_mod.VLLMBackend(cfg, "m", log_path, restore=list)
+    backend.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with caplog.at_level(logging.INFO, logger="inference.vllm"), pytest.raises(BackendError) as err:
+            await backend._wait_until_completes()
+    finally:
+        backend.proc.kill()
+        backend.proc.wait()
+        await backend._client.aclose()
+    assert "no completion within 1.0s" in err.value.message and str(log_path) in err.value.message
+    notes = [r.getMessage() for r in caplog.records if "still starting" in r.getMessage()]
+    assert notes and "Capturing CUDA graphs (mixed prefill-decode): 40%" in notes[-1] and "of 1s" in notes[-1]
+    assert vllm_mod.last_line(tmp_path / "absent.log") == "(nothing written yet)"

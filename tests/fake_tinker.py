@@ -211,11 +211,19 @@ class FakeServiceClient:
     """The ServiceClient methods the backends call, returning what Tinker returns."""
 
     def get_server_capabilities(self) -> Any:
-        return done(
-            types.GetServerCapabilitiesResponse(
-                supported_models=[types.SupportedModel(model_name="tiny", trainable=True, sampleable=True)]
-            )
+        """Blocking, as the SDK's (deprecated) ServiceClient method is: no future."""
+        return types.GetServerCapabilitiesResponse(
+            supported_models=[types.SupportedModel(model_name="tiny", trainable=True, sampleable=True)]
         )
+
+    def create_rest_client(self) -> Any:
+        service = self
+
+        class Rest:
+            def get_server_capabilities(self) -> Any:
+                return done(service.get_server_capabilities())
+
+        return Rest()
 
     def create_lora_training_client(
         self, base_model: str, rank: int = 32, seed: int | None = None, **_: Any

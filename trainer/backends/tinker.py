@@ -103,10 +103,12 @@ def wait(future: Any, timeout_s: float, what: str) -> Any:
 
 def check_base_model(service: Any, base_model: str, timeout_s: float) -> None:
     """Refuse a base model Tinker cannot train, listing the ones it can."""
-    caps_fn = getattr(service, "get_server_capabilities", None)
-    if caps_fn is None:
+    # The SDK's RestClient answers with a future (the deadline applies); ServiceClient.get_server_capabilities is
+    # a deprecated blocking call without one.
+    rest = getattr(service, "create_rest_client", None)
+    if rest is None:
         return
-    caps = wait(caps_fn(), timeout_s, "the capabilities request")
+    caps = wait(rest().get_server_capabilities(), timeout_s, "the capabilities request")
     trainable = sorted(
         m.model_name for m in caps.supported_models if m.model_name and m.trainable is not False
     )

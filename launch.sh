@@ -7,6 +7,8 @@
 #   bash launch.sh vf:ID_OR_FILE --config FILE ...   a verifiers environment (builds .venv-verifiers on first use;
 #                                                    .venv-verifiers-v1 for a file that imports verifiers.v1)
 #   bash launch.sh service [--config FILE] [k=v ...]   the local Tinker-protocol service (README)
+#   bash launch.sh compare ENV [--backends local,tinker] [--config FILE] [k=v ...]   the same recipe on each
+#                                                    backend, one after the other, and a side-by-side report
 #   bash launch.sh engine [ENV] [--config FILE] [k=v ...]   a shared gateway + vLLM; runs attach to it with
 #                                                    inference.engine_url=URL [--wait] (docs/running.md)
 # Sets up .venv on first use, then hands over to `python -m trainer.orchestration.launcher`, which starts run-api, the gateway
@@ -341,10 +343,11 @@ setup_named_verifiers() {
 if [ "${1:-}" = "--setup" ]; then setup_env; exit 0; fi
 if [ "${1:-}" = "--setup-verifiers" ]; then setup_env; setup_verifiers; exit 0; fi
 if [ "${1:-}" = "--setup-verifiers-v1" ]; then setup_env; setup_verifiers_v1; exit 0; fi
-case "${1:-}" in ""|-h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2; [ -n "${1:-}" ]; exit $? ;; esac
+case "${1:-}" in ""|-h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; [ -n "${1:-}" ]; exit $? ;; esac
 setup_env
 if [ "$1" != "service" ] && [ "$1" != "engine" ]; then setup_named_verifiers "$@"; fi
 export TOKENIZERS_PARALLELISM=false  # W&B: the launcher picks online (a login here) or offline per run
 if [ "$1" = "service" ]; then shift; exec "$VENV/bin/python" -m trainer.orchestration.service_launch "$@"; fi
 if [ "$1" = "engine" ]; then shift; exec "$VENV/bin/python" -m trainer.orchestration.engine "$@"; fi
+if [ "$1" = "compare" ]; then shift; exec "$VENV/bin/python" -m trainer.orchestration.compare "$@"; fi
 exec "$VENV/bin/python" -m trainer.orchestration.launcher "$@"

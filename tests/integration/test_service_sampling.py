@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from environments.toy import compute_target_ids, compute_toy_reward
-from tests.helpers import ROOT
+from tests.helpers import ROOT, assert_learned, read_metrics, run_launch
 from trainer.orchestration.processes import stop_child
 from trainer.service.app import safe_name
 from trainer.training.polling import wait_until
@@ -514,3 +514,41 @@ def test_the_cookbook_off_policy_distillation_completes(launched, cookbook, tmp_
     rows = jsonl(tmp_path / "distill" / "metrics.jsonl")
     losses = [row["train/loss:sum"] for row in rows if "train/loss:sum" in row]
     assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses), losses
+
+
+def test_launch_compare_trains_the_toy_recipe_on_both_backends_and_reports_no_difference(
+    launched, shared_engine, tmp_path, monkeypatch
+):
+    """`bash launch.sh compare` with the Tinker side on this service (the unmodified SDK under --backend tinker:
+    training, sampler snapshots and sampling) and the local side on the session's engine: both learn the toy task
+    and the report puts them side by side, listing the one key set for one side only (the engine's URL is the local
+    gateway's setting, which a Tinker run has not: not a difference)."""
+    url, _, _ = launched
+    monkeypatch.setenv("TINKER_BASE_URL", url)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-local-test")
+    out = tmp_path / "cmp"
+    cmd = [
+        "bash",
+        str(ROOT / "launch.sh"),
+        "compare",
+        "toy",
+        "--config",
+        str(ROOT / "configs" / "tiny_cpu.yaml"),
+    ]
+    cmd += ["--out", str(out), "--wait", f"local:inference.engine_url={shared_engine.url}"]
+    cmd += ["tinker:trainer.checkpoint_every=7"]
+    rc, said, _ = run_launch(cmd, 900)
+    assert rc == 0, said[-4000:]
+    configs = {}
+    for side in ("local", "tinker"):
+        rows = read_metrics(out / side)
+        assert len(rows) == 30, (side, len(rows))
+        assert_learned([r["reward/mean"] for r in rows])
+        configs[side] = yaml.safe_load((out / side / "config.yaml").read_text())
+        assert configs[side]["launch"]["backend"] == side
+    report = (out / "report" / "report.md").read_text()
+    assert "| local | local |" in report and "| tinker | tinker |" in report, report
+    local_every = configs["local"]["trainer"]["checkpoint_every"]
+    assert json.loads((out / "report" / "differences.json").read_text()) == [
+        f"trainer.checkpoint_every: local={local_every!r}, tinker=7"
+    ]

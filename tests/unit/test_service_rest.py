@@ -6,6 +6,7 @@ and tinker paths that try to leave the service's folder."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -318,7 +319,6 @@ def test_what_is_not_served_is_refused_by_name(service_client, rest):
         (lambda: rest.unpublish_checkpoint_from_tinker_path(path), "unpublish_checkpoint_from_tinker_path"),
         (lambda: rest.copy_weights(path, "project"), "copy_weights"),
         (lambda: rest.list_sessions(), "list_sessions"),
-        (lambda: rest.get_external_weights_urls(path.replace("/weights/", "/external_weights/")), "external"),
     ):
         with pytest.raises(tinker.BadRequestError, match=name):
             call().result()
@@ -400,3 +400,36 @@ def test_session_ids_cannot_be_guessed_from_ones_own(url):
     suffixes = [i.rsplit("-", 1)[1] for i in ids]
     assert len(set(ids)) == 3 and all(len(s) == 16 for s in suffixes)
     assert not any(s.isdigit() and len(s) < 8 for s in suffixes)  # no counter a client could step through
+
+
+def test_external_weights_are_a_peft_folder_downloaded_through_signed_urls(service_client, rest, tmp_path):
+    """save_weights_external then get_external_weights_urls, as hosted Tinker serves them: one URL per file, which
+    needs no API key and downloads the client's adapter as a PEFT folder; listed and deleted like any checkpoint.
+    A tampered or foreign signature is refused; a name that exists already is a user error."""
+    import httpx
+    from safetensors.torch import load_file
+
+    tc = training_client(service_client)
+    saved = tc.save_weights_external("final").result()
+    assert saved.path == f"tinker://{tc.model_id}/external_weights/final"
+    answer = rest.get_external_weights_urls(saved.path).result()
+    assert sorted(answer.urls) == ["adapter_config.json", "adapter_model.safetensors"]
+    for rel, link in answer.urls.items():
+        got = httpx.get(link)  # no X-API-Key: the URL is the credential
+        assert got.status_code == 200, got.text
+        (tmp_path / rel).write_bytes(got.content)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["peft_type"] == "LORA"
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors)
+
+    link = answer.urls["adapter_config.json"]
+    for bad in (link[:-4] + "0000", link.replace("adapter_config.json", "adapter_model.safetensors")):
+        assert httpx.get(bad).status_code == 403
+    with pytest.raises(tinker.RequestFailedError, match="exist already"):
+        tc.save_weights_external("final").result()
+    listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [c.checkpoint_type for c in listed if c.checkpoint_id == "external_weights/final"] == ["external"]
+    rest.delete_checkpoint(tc.model_id, "external_weights/final").result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_external_weights_urls(saved.path).result()

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from trainer.readout.config_diff import config_differences
 from trainer.readout.plots import Panel, draw
 from trainer.readout.runfolder import (
     ELAPSED,
@@ -241,10 +242,15 @@ def write_comparison(folders: list[Path], out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     summaries = [summarize_run(r) for r in runs]
     images, _ = draw(runs, COMPARE_PANELS, out)
+    differences = config_differences({r.name: r.config for r in runs})
     text = ["# Run comparison", "", markdown_table(summaries), ""]
     text += [f"- {r.name}: {p}" for r in runs for p in r.problems]
+    text += ["", "## Config differences beyond the backend", ""]
+    text += [f"- {line}" for line in differences] or ["none: the same recipe, seed and overrides"]
+    text += [""]
     text += [f"![{name}]({name})" for name in images]
     write_whole(out / "summary.json", json.dumps(summaries, indent=2))
+    write_whole(out / "differences.json", json.dumps(differences, indent=2))
     report = out / "report.md"
     write_whole(report, "\n".join(text) + "\n")
     return report

@@ -43,6 +43,7 @@ from trainer.service.checkpoints import (
     parse_save_options,
     parse_user_metadata,
 )
+from trainer.service.external_weights import external_weights_routes
 from trainer.service.policies import LoraSpec, MultiLora
 from trainer.service.sampling import (
     GatewaySampler,
@@ -636,7 +637,14 @@ def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
             return JSONResponse({"detail": "wrong or missing X-API-Key (service.api_key)"}, status_code=401)
         return await call_next(request)
 
-    for routes in (server_routes, session_routes, training_routes, weights_routes, sampling_routes):
+    for routes in (
+        server_routes,
+        session_routes,
+        training_routes,
+        weights_routes,
+        external_weights_routes,
+        sampling_routes,
+    ):
         app.include_router(routes(service))
     install(app, service)  # training runs and checkpoints over REST (trainer/service/checkpoints.py)
     return app

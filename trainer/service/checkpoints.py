@@ -41,10 +41,12 @@ API = "/api/v1"
 SCHEME = "tinker://"
 RUN_FILE = "run.json"
 ONE = "/training_runs/{run_id}/checkpoints/{kind}/{name}"  # one checkpoint's route
-KINDS = {"weights": "training", "sampler_weights": "sampler"}  # path segment -> the SDK's checkpoint_type
+# path segment -> the SDK's checkpoint_type
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 COMPLETE = {
     "weights": "state.json",
     "sampler_weights": "adapter_config.json",
+    "external_weights": "adapter_config.json",
 }  # each kind's file written last
 MAX_TTL_S = 10 * 365 * 24 * 3600  # the SDK's documented upper bound
 REAP_EVERY_S = 1.0
@@ -113,12 +115,13 @@ def _iso(unix: float) -> str:
 
 
 def _split(checkpoint_id: str) -> tuple[str, str]:
-    """weights/NAME or sampler_weights/NAME -> (kind, NAME), the name checked to be a plain folder name."""
+    """weights/NAME, sampler_weights/NAME or external_weights/NAME -> (kind, NAME), the name checked to be a plain
+    folder name."""
     kind, _, name = checkpoint_id.partition("/")
-    if kind == "external_weights":
-        raise UserError("external weights (save_weights_external) are not served by this service")
     if kind not in KINDS:
-        raise UserError(f"checkpoint_id {checkpoint_id!r}: expected weights/NAME or sampler_weights/NAME")
+        raise UserError(
+            f"checkpoint_id {checkpoint_id!r}: expected weights/NAME, sampler_weights/NAME or external_weights/NAME"
+        )
     if not name or "/" in name or "\0" in name or name.startswith("."):
         raise UserError(
             f"checkpoint_id {checkpoint_id!r}: NAME must be a plain name (no '/', not starting '.')"
@@ -493,12 +496,6 @@ PUBLIC = "one user, nothing is public"
 REFUSED = [
     ("POST", f"{ONE}/publish", "publish_checkpoint_from_tinker_path", PUBLIC),
     ("DELETE", f"{ONE}/publish", "unpublish_checkpoint_from_tinker_path", PUBLIC),
-    (
-        "GET",
-        f"{ONE}/external_weights_urls",
-        "get_external_weights_urls",
-        "the folders are under service.output_dir",
-    ),
     ("POST", "/copy_weights", "copy_weights", "there are no projects to copy into"),
     ("GET", "/sessions", "list_sessions", "sessions are not listed"),
     ("GET", "/sessions/{session_id}", "get_session", "sessions are not listed"),

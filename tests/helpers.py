@@ -219,6 +219,25 @@ def serve_app(app, sock: socket.socket) -> Iterator[str]:
         sock.close()
 
 
+def loopback_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@contextlib.contextmanager
+def training_service(work: Path) -> Iterator[tuple[str, Any]]:
+    """This project's Tinker-protocol service for the tiny model in this process (training only: no gateway), for
+    the unmodified tinker SDK; yields its URL and its state (Service: the adapters it holds, by model id)."""
+    from trainer.service.app import build_app
+    from trainer.service.policies import MultiLora
+
+    cfg = make_cfg(work / "model", service__output_dir=str(work / "out"))
+    app = build_app(cfg, MultiLora(cfg))
+    with serve_app(app, loopback_socket()) as url:
+        yield url, app.state.service
+
+
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 

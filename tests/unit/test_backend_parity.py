@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from tests.helpers import FIXTURE, make_cfg, serve_app
+from tests.helpers import FIXTURE, make_cfg, training_service
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.config import ConfigError, RunConfig
 from trainer.training.losses import LossParams
@@ -24,12 +23,6 @@ from trainer.training.schedule import adam_params
 tinker = pytest.importorskip("tinker")
 
 ADAPTER_NAME = re.compile(r"\.lora_(A|B)\.[^.]+\.weight$")
-
-
-def free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    return sock
 
 
 def lora_weights(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -43,16 +36,8 @@ def lora_weights(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.T
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory) -> Iterator[tuple[str, Any]]:
-    """The service app on a loopback socket (training only: no gateway), and its state (to read the adapters)."""
-    from trainer.service.app import build_app
-    from trainer.service.policies import MultiLora
-
-    cfg = make_cfg(
-        tmp_path_factory.mktemp("service"), service__output_dir=str(tmp_path_factory.mktemp("out"))
-    )
-    app = build_app(cfg, MultiLora(cfg))
-    with serve_app(app, free_socket()) as url:
-        yield url, app.state.service
+    with training_service(tmp_path_factory.mktemp("service")) as served:
+        yield served
 
 
 def served_weights(state: Any, remote: Any) -> dict[str, torch.Tensor]:

@@ -128,10 +128,9 @@ def published_versions(run_dir: Path) -> dict[int, int]:
 def _run_version(run_dir: Path, version: int | None, step: int | None) -> ExportSource:
     config = _run_config(run_dir)
     if (config.get("launch") or {}).get("backend") == "tinker":
-        raise ExportError(
-            f"{run_dir} trained on Tinker (launch.backend=tinker): its weights live on Tinker, not in the run "
-            "folder, and export does not download them; train with launch.backend=local to export"
-        )
+        from trainer.export.tinker_source import tinker_source
+
+        return tinker_source(run_dir, config, version, step)
     versions = published_versions(run_dir)
     if not versions:
         raise ExportError(

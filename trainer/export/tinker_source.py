@@ -36,7 +36,9 @@ def tinker_checkpoints(run_dir: Path) -> dict[int, Path]:
     return found
 
 
-def tinker_source(run_dir: Path, config: dict[str, Any], version: int | None, step: int | None) -> ExportSource:
+def tinker_source(
+    run_dir: Path, config: dict[str, Any], version: int | None, step: int | None
+) -> ExportSource:
     if version is not None:
         raise ExportError(
             f"{run_dir} trained on Tinker: its published versions are sampler weights, which Tinker does not hand "
@@ -76,7 +78,9 @@ def download_external_weights(state_path: str, name: str, folder: Path) -> None:
     except ImportError as exc:
         raise ExportError("exporting a Tinker run needs the tinker SDK (pip install -e '.[tinker]')") from exc
     if not os.environ.get("TINKER_API_KEY"):
-        raise ExportError("exporting a Tinker run downloads from Tinker: set TINKER_API_KEY (and TINKER_BASE_URL)")
+        raise ExportError(
+            "exporting a Tinker run downloads from Tinker: set TINKER_API_KEY (and TINKER_BASE_URL)"
+        )
     try:
         service = tinker.ServiceClient()
         client = service.create_training_client_from_state(state_path).result(timeout=TIMEOUT_S)

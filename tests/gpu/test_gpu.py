@@ -92,12 +92,8 @@ def test_8b_trainer_peak_memory_is_within_the_plan(tmp_path):
 
     from benchmarks.trainer_bench import SHAPES
     from trainer.backends.local import LocalBackend
-    from trainer.orchestration.memory_plan import (
-        GiB,
-        build_memory_plan,
-        check_fit,
-        choose_recomputed_layers,
-    )
+    from trainer.orchestration.memory_plan import build_memory_plan, check_fit, choose_recomputed_layers
+    from trainer.orchestration.model_shape import GiB
 
     cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml", [f"trainer.output_dir={tmp_path}"])
     release_cuda_memory()
@@ -160,7 +156,8 @@ def test_8b_distillation_from_a_teacher_model_is_within_the_plan(tmp_path):
 
     from benchmarks.trainer_bench import SHAPES
     from trainer.backends.local import LocalBackend
-    from trainer.orchestration.memory_plan import GiB, build_memory_plan
+    from trainer.orchestration.memory_plan import build_memory_plan
+    from trainer.orchestration.model_shape import GiB
     from trainer.training.distill import distill_examples
 
     cfg = load_config(RunConfig, ROOT / "configs" / "gsm8k.yaml", [f"trainer.output_dir={tmp_path}"])

@@ -516,13 +516,13 @@ def test_the_cookbook_off_policy_distillation_completes(launched, cookbook, tmp_
     assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses), losses
 
 
-def test_launch_compare_trains_the_toy_recipe_on_both_backends_and_reports_no_difference(
+def test_launch_compare_trains_the_toy_recipe_on_both_backends_and_lists_the_one_difference(
     launched, shared_engine, tmp_path, monkeypatch
 ):
     """`bash launch.sh compare` with the Tinker side on this service (the unmodified SDK under --backend tinker:
     training, sampler snapshots and sampling) and the local side on the session's engine: both learn the toy task
-    and the report puts them side by side, listing the one key set for one side only (the engine's URL is the local
-    gateway's setting, which a Tinker run has not: not a difference)."""
+    and the report puts them side by side, listing the one key set for one side only: a learning rate (the engine's
+    URL is the local gateway's setting, which a Tinker run has not: not a difference)."""
     url, _, _ = launched
     monkeypatch.setenv("TINKER_BASE_URL", url)
     monkeypatch.setenv("TINKER_API_KEY", "tml-local-test")
@@ -536,7 +536,7 @@ def test_launch_compare_trains_the_toy_recipe_on_both_backends_and_reports_no_di
         str(ROOT / "configs" / "tiny_cpu.yaml"),
     ]
     cmd += ["--out", str(out), "--wait", f"local:inference.engine_url={shared_engine.url}"]
-    cmd += ["tinker:trainer.checkpoint_every=7"]
+    cmd += ["tinker:optim.lr=0.008"]
     rc, said, _ = run_launch(cmd, 900)
     assert rc == 0, said[-4000:]
     configs = {}
@@ -548,7 +548,7 @@ def test_launch_compare_trains_the_toy_recipe_on_both_backends_and_reports_no_di
         assert configs[side]["launch"]["backend"] == side
     report = (out / "report" / "report.md").read_text()
     assert "| local | local |" in report and "| tinker | tinker |" in report, report
-    local_every = configs["local"]["trainer"]["checkpoint_every"]
+    local_lr = configs["local"]["optim"]["lr"]
     assert json.loads((out / "report" / "differences.json").read_text()) == [
-        f"trainer.checkpoint_every: local={local_every!r}, tinker=7"
+        f"optim.lr: local={local_lr!r}, tinker=0.008"
     ]

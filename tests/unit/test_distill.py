@@ -317,7 +317,8 @@ def test_preflight_refuses_a_teacher_whose_tokenizer_or_chat_template_differs(tm
 
 
 def test_the_memory_plan_counts_a_teacher_models_weights():
-    from trainer.orchestration.memory_plan import ModelShape, build_memory_plan, load_model_config
+    from trainer.orchestration.memory_plan import build_memory_plan
+    from trainer.orchestration.model_shape import ModelShape, load_model_config
 
     config = load_model_config("tiny")
     assert config is not None

@@ -18,7 +18,8 @@ from tests.helpers import ALL_TARGETS, make_cfg
 from trainer.backends.tiny_model import ensure_tiny_model
 from trainer.export import cli
 from trainer.export.card import base_licence
-from trainer.export.source import ExportError, find_source, hub_origin
+from trainer.export.origin import ExportError, hub_origin
+from trainer.export.source import find_source
 
 IDS = torch.tensor([[1, 5, 6, 7, 8, 100, 200, 300, 400, 9]])
 

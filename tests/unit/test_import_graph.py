@@ -49,6 +49,9 @@ ORCHESTRATION_MODULES = {
     "idle",  # why a supervised run is idle
     "launcher",
     "memory_plan",  # will the run fit (pre-flight)
+    "model_shape",  # the model's shape the plan reads
+    "vllm_memory",  # vLLM's share of the plan
+    "compare",  # launch.sh compare: one recipe run on each backend
     "preflight",
     "processes",
     "service_launch",

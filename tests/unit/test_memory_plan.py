@@ -14,14 +14,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from trainer.backends.local import LocalBackend
 from trainer.orchestration.memory_plan import (
-    GiB,
-    ModelShape,
     build_memory_plan,
     build_trainer_plan,
     check_fit,
     compute_activation_bytes,
     lora_parameter_count,
 )
+from trainer.orchestration.model_shape import GiB, ModelShape
 from trainer.training.backend import AdamParams
 from trainer.training.batch import TrainingExample
 from trainer.training.config import ConfigError, RunConfig, load_config
@@ -317,7 +316,7 @@ def test_the_default_utilization_is_vllm_0_32s_own():
     import importlib.util
     import re
 
-    from trainer.orchestration.memory_plan import VLLM_DEFAULT_UTILIZATION
+    from trainer.orchestration.vllm_memory import VLLM_DEFAULT_UTILIZATION
 
     cfg = load_config(
         RunConfig, ROOT / "configs" / "gsm8k.yaml", ["inference.vllm.gpu_memory_utilization=null"]
@@ -333,7 +332,7 @@ def test_the_default_utilization_is_vllm_0_32s_own():
 
 
 def test_cuda_graph_counts_follow_vllms_capture_rules():
-    from trainer.orchestration.memory_plan import VLLMSettings, capture_sizes, count_cuda_graphs
+    from trainer.orchestration.vllm_memory import VLLMSettings, capture_sizes, count_cuda_graphs
 
     # A published vLLM start-up log (max_num_seqs 256, 2048 batched tokens, no LoRA) reads "Profiling CUDA graph
     # memory: PIECEWISE=51 (largest=512), FULL=35 (largest=256)".

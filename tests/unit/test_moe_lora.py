@@ -12,7 +12,7 @@ import torch
 
 from tests.helpers import make_cfg
 from trainer.backends.tiny_model import MOE_SHAPE, ensure_tiny_model
-from trainer.orchestration.memory_plan import ModelShape, load_model_config
+from trainer.orchestration.model_shape import ModelShape, load_model_config
 
 IDS = torch.tensor([[1, 5, 6, 7, 8, 100, 200, 300, 400, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
 EXPERTS = MOE_SHAPE["num_experts"]

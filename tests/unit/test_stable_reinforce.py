@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 from fastapi import FastAPI
 
 from inference.wire import Sample
-from tests.helpers import make_cfg, serve_app
+from tests.helpers import loopback_socket, make_cfg, serve_app
 from tests.unit.test_losses import REDUCTIONS, make_inputs, run_loss
 from trainer.service.sampling import RECORD_OVERHEAD_BYTES, StabilityRecords, decode_sample, sequence_ids
 from trainer.service.wire import UserError, decode_forward_backward
@@ -445,24 +444,18 @@ def stand_in_gateway() -> FastAPI:
     return app
 
 
-def free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 @pytest.fixture(scope="module")
 def service_url(tmp_path_factory) -> Iterator[str]:
     from trainer.service.app import build_app
     from trainer.service.policies import MultiLora
 
-    with serve_app(stand_in_gateway(), free_socket()) as gateway:
+    with serve_app(stand_in_gateway(), loopback_socket()) as gateway:
         cfg = make_cfg(
             tmp_path_factory.mktemp("service"),
             service__output_dir=str(tmp_path_factory.mktemp("out")),
             service__gateway_url=gateway,
         )
-        with serve_app(build_app(cfg, MultiLora(cfg)), free_socket()) as url:
+        with serve_app(build_app(cfg, MultiLora(cfg)), loopback_socket()) as url:
             yield url
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from trainer.export.source import ExportSource
+from trainer.export.origin import ExportSource
 
 LICENCE_LINE = re.compile(r"^license:\s*(?P<value>\S.*)$", re.MULTILINE)
 

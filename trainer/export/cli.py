@@ -10,7 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainer.export.source import ExportError, ExportSource, find_source
+from trainer.export.origin import ExportError, ExportSource
+from trainer.export.source import find_source
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.export.source import ExportError
+from trainer.export.origin import ExportError
 
 
 def push(folder: Path, repo_id: str, private: bool, message: str) -> str:

@@ -21,7 +21,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.export.source import ADAPTER_CONFIG, ExportError, base_model, find_source
+from trainer.export.origin import ADAPTER_CONFIG, ExportError, base_model
+from trainer.export.source import find_source
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from trainer.export.source import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ExportError, ExportSource, base_model
+from trainer.export.origin import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ExportError, ExportSource, base_model
 
 STATE_FILE = "tinker_state.json"  # trainer/backends/tinker.py writes it into each checkpoint
 DOWNLOADS = "tinker_exports"

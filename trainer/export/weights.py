@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer.export.source import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ExportError, ExportSource
+from trainer.export.origin import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ExportError, ExportSource
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHARD_SIZE = "4GB"

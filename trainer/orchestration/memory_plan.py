@@ -1,7 +1,7 @@
 """Expected peak GPU memory of a run config, for the trainer and for vLLM, and whether they fit one GPU.
 
-Pure arithmetic on the run config and the model's config.json (a Llama/Qwen/Mistral-style decoder): no torch, no
-GPU, no network. The launcher prints the plan on --dry-run and refuses, before anything starts, a CUDA config
+Pure arithmetic on the run config and the model's config.json (a Llama/Qwen/Mistral-style decoder, model_shape.py):
+no torch, no GPU, no network. vLLM's share is planned in vllm_memory.py. The launcher prints the plan on --dry-run and refuses, before anything starts, a CUDA config
 that cannot fit, naming the knob to turn. The activation terms count the tensors autograd keeps for the code as
 it is (trainer/backends/local.py, trainer/training/logprobs.py, PEFT's LoRA Linear, transformers' Llama layers);
 tests/unit/test_memory_plan.py checks them against measured peaks on CPU.
@@ -9,228 +9,30 @@ tests/unit/test_memory_plan.py checks them against measured peaks on CPU.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from rlcommon.slots import lora_slots
+from trainer.orchestration.model_shape import (
+    MLP_PROJECTIONS,
+    GiB,
+    ModelShape,
+    ProcessPlan,
+    dtype_bytes,
+    lora_targets,
+)
+from trainer.orchestration.vllm_memory import (
+    VLLM_CONTEXT_ALLOWANCE,
+    VLLM_DEFAULT_UTILIZATION,
+    VLLMSettings,
+    blocks,
+    build_vllm_plan,
+)
 from trainer.training.config import RunConfig
 from trainer.training.packing import KEYS_PER_TOKEN
 
-GiB = 2**30
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-ALL_LINEAR = ATTENTION_PROJECTIONS + MLP_PROJECTIONS  # PEFT's all-linear on these models (lm_head excluded)
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "bf16": 2, "fp16": 2, "float32": 4, "float": 4}
-# Allowances, not derived: a CUDA context with torch's kernels loaded (~0.5 GiB on an H100), cuBLAS workspaces and
-# the caching allocator's rounding and fragmentation for the trainer. vLLM 0.32 takes its start-up snapshot after
-# its CUDA context and NCCL exist (vllm/v1/worker/gpu_worker.py init_device), so those sit outside its
-# --gpu-memory-utilization budget; the non-torch memory it allocates later (cuBLAS and attention workspaces) sits
-# inside. They are round numbers to keep a margin, not measurements.
+# An allowance, not derived: a CUDA context with torch's kernels loaded (~0.5 GiB on an H100), cuBLAS workspaces and
+# the caching allocator's rounding and fragmentation for the trainer; a round number to keep a margin.
 TRAINER_CUDA_ALLOWANCE = 1 * GiB
-VLLM_RUNTIME_ALLOWANCE = 1 * GiB  # inside the budget
-VLLM_CONTEXT_ALLOWANCE = 1 * GiB  # outside the budget
-VLLM_DEFAULT_UTILIZATION = 0.92  # vLLM 0.32's --gpu-memory-utilization default (vllm/config/cache.py)
-VLLM_BLOCK_TOKENS = 16  # KV cache is allocated in blocks of this many tokens
-VLLM_MAX_GRAPH_TOKENS = 512  # vLLM 0.32's largest default CUDA-graph batch (1024 on B200/B300 only)
-# vLLM 0.32 captures CUDA graphs during start-up profiling and takes its estimate from the budget before sizing the
-# KV cache (gpu_worker.py determine_available_memory; VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 1). The
-# estimate (gpu_model_runner.py profile_cudagraph_memory) is measured: per mode, the first (largest) capture plus
-# the second capture's cost times the remaining graphs. The graph count follows vLLM's rules below; the cost per
-# graph is an allowance: a published Qwen3-8B start-up log (LMCache issue 3430) shows 0.52 GiB for 86 graphs
-# without LoRA, about 6 MiB each.
-VLLM_GRAPH_BYTES = 8 * 2**20
-
-
-@dataclass(frozen=True)
-class Experts:
-    """A mixture-of-experts MLP, as its config.json describes it (Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3 keys)."""
-
-    count: int  # routed experts in each MoE layer
-    per_token: int  # experts each token goes through
-    intermediate: int  # each expert's MLP width
-    layers: int  # decoder layers whose MLP is the experts (the rest are dense)
-    shared_intermediate: int = 0  # the always-on shared expert's MLP width (Qwen2-MoE, DeepSeek)
-    shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert
-
-    @classmethod
-    def from_config(cls, text: dict[str, Any], layers: int) -> Experts | None:
-        count = int(
-            text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0
-        )
-        if count <= 1:
-            return None
-        model_type = str(text.get("model_type", ""))
-        step = int(text.get("decoder_sparse_step") or 1)
-        dense = set(text.get("mlp_only_layers") or [])
-        first_dense = int(text.get("first_k_dense_replace") or 0)
-        moe_layers = sum(1 for i in range(first_dense, layers) if i not in dense and (i + 1) % step == 0)
-        width = int(text.get("moe_intermediate_size") or text["intermediate_size"])
-        shared = (
-            int(text.get("shared_expert_intermediate_size") or 0)
-            + int(text.get("n_shared_experts") or 0) * width
-        )
-        return cls(
-            count=count,
-            per_token=int(text.get("num_experts_per_tok") or 1),
-            intermediate=width,
-            layers=moe_layers,
-            shared_intermediate=shared,
-            shared_gate=model_type == "qwen2_moe" and shared > 0,
-        )
-
-    def layer_parameters(self, hidden: int) -> int:
-        """One MoE layer's MLP: the experts, the router, the shared expert and its gate."""
-        experts = self.count * 3 * hidden * self.intermediate + self.count * hidden
-        return experts + 3 * hidden * self.shared_intermediate + (hidden if self.shared_gate else 0)
-
-    def lora_parameters(self, hidden: int, rank: int, mlp_targets: set[str]) -> tuple[int, int]:
-        """(parameters, tensors) of PEFT's LoRA on one layer's fused experts: gate_up_proj [E, 2I, H] at rank 2r
-        (PEFT doubles it), down_proj [E, H, I] at r, each expert a block of A and B, and the router at r."""
-        e, i, params, tensors = self.count, self.intermediate, 0, 0
-        if {"gate_proj", "up_proj"} & mlp_targets:
-            params, tensors = params + e * 2 * rank * (hidden + 2 * i), tensors + 2
-        if "down_proj" in mlp_targets:
-            params, tensors = params + e * rank * (i + hidden), tensors + 2
-        if mlp_targets:
-            params, tensors = params + rank * (hidden + e), tensors + 2
-        return params, tensors
-
-    def merged_weight_bytes(self, hidden: int) -> int:
-        """What PEFT's LoRA on fused experts keeps for backward per layer: each expert's W + delta W, materialised
-        for all experts at once, in float32 (the LoRA weights' dtype), gate_up and down (measured on a tiny
-        Qwen3-MoE with saved-tensor hooks: exactly these two tensors per layer)."""
-        return self.count * 3 * hidden * self.intermediate * 4
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What memory depends on in a decoder-only transformer's config.json."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied_embeddings: bool
-    attention_bias: bool = False
-    qk_norm: bool = False
-    max_positions: int | None = None
-    dtype: str | None = None  # torch_dtype/dtype in config.json: what vLLM's --dtype auto serves
-    experts: Experts | None = None  # a mixture-of-experts MLP (None: dense)
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelShape:
-        text = (
-            config.get("text_config") or config
-        )  # multimodal wrappers keep the decoder's keys in text_config
-        heads = int(text["num_attention_heads"])
-        hidden = int(text["hidden_size"])
-        model_type = str(text.get("model_type", ""))
-        layers = int(text["num_hidden_layers"])
-        return cls(
-            hidden=hidden,
-            intermediate=int(text["intermediate_size"]),
-            layers=layers,
-            heads=heads,
-            kv_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or hidden // heads),
-            vocab=int(text["vocab_size"]),
-            tied_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            attention_bias=bool(text.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type.startswith("qwen3"),
-            max_positions=text.get("max_position_embeddings"),
-            dtype=text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype"),
-            experts=Experts.from_config(text, layers),
-        )
-
-    @property
-    def dense_layers(self) -> int:
-        return self.layers - (self.experts.layers if self.experts else 0)
-
-    @property
-    def mlp_width(self) -> int:
-        """The widest MLP a token passes through in one layer: a dense layer's, or the experts it is routed to plus
-        the shared expert (what the MLP's activations scale with)."""
-        widths = [self.intermediate] if self.dense_layers else []
-        if self.experts is not None:
-            widths.append(
-                self.experts.per_token * self.experts.intermediate + self.experts.shared_intermediate
-            )
-        return max(widths)
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each projection in one layer, and of lm_head."""
-        h, i = self.hidden, self.intermediate
-        return {
-            "q_proj": (h, self.q_dim),
-            "k_proj": (h, self.kv_dim),
-            "v_proj": (h, self.kv_dim),
-            "o_proj": (self.q_dim, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-            "lm_head": (h, self.vocab),
-        }
-
-    def parameter_count(self) -> int:
-        shapes = self.linear_shapes()
-        attention = (
-            sum(a * b for name, (a, b) in shapes.items() if name in ATTENTION_PROJECTIONS) + 2 * self.hidden
-        )
-        if self.attention_bias:
-            attention += self.q_dim + 2 * self.kv_dim
-        if self.qk_norm:
-            attention += 2 * self.head_dim
-        dense_mlp = sum(a * b for name, (a, b) in shapes.items() if name in MLP_PROJECTIONS)
-        moe = self.experts.layers * self.experts.layer_parameters(self.hidden) if self.experts else 0
-        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.layers * attention + self.dense_layers * dense_mlp + moe + self.hidden + embeddings
-
-
-def lora_targets(cfg: RunConfig) -> list[str]:
-    if cfg.lora.target_modules == "all-linear":
-        return list(ALL_LINEAR)
-    return [m for m in (*ALL_LINEAR, "lm_head") if m in cfg.lora.target_modules]
-
-
-@dataclass
-class Part:
-    name: str
-    bytes: int
-    note: str = ""
-
-
-@dataclass
-class ProcessPlan:
-    parts: list[Part] = field(default_factory=list)
-
-    def add(self, name: str, nbytes: float, note: str = "") -> None:
-        self.parts.append(Part(name, int(nbytes), note))
-
-    @property
-    def total(self) -> int:
-        return sum(p.bytes for p in self.parts)
-
-    def get(self, prefix: str) -> int:
-        return sum(p.bytes for p in self.parts if p.name.startswith(prefix))
-
-
-def dtype_bytes(name: str) -> int:
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {name!r} for the memory plan")
-    return DTYPE_BYTES[name]
 
 
 def trainer_dtype(cfg: RunConfig, on_cuda: bool) -> str:
@@ -390,201 +192,6 @@ def build_trainer_plan(
     if on_cuda:
         plan.add("CUDA context, workspaces, allocator slack", TRAINER_CUDA_ALLOWANCE, "an allowance")
     return plan, {"checkpointing_off": by_mode[False], "checkpointing_on": by_mode[True], "chosen": chosen}
-
-
-@dataclass(frozen=True)
-class VLLMSettings:
-    """What the plan reads from the gateway's config, as `python -m inference.config` completes it (every key
-    present); inference.samplers.vllm builds vLLM's argv from the same keys."""
-
-    dtype: str
-    max_lora_rank: int
-    max_loras: int
-    max_model_len: int | None
-    gpu_memory_utilization: float | None
-    kv_cache_memory_bytes: int | None
-    max_num_batched_tokens: int | None
-    max_num_seqs: int | None
-    kv_cache_dtype: str | None
-    enforce_eager: bool = False  # no CUDA graphs
-    # What the slots hold: the versions kept behind the current one, and named adapters (eval).
-    keep_versions: int = 0
-    named_slots: int = 0
-    # Graphs with and without LoRA active: the gateway turns this off on CUDA (every request carries a LoRA);
-    # only a user's own --compilation-config in extra_args turns it back on.
-    specialize_lora: bool = False
-
-    @classmethod
-    def from_gateway(cls, gateway: dict[str, Any]) -> VLLMSettings:
-        v = gateway["vllm"]
-        extra = [str(a) for a in v["extra_args"]]
-
-        def flag(name: str) -> str | None:
-            for k, arg in enumerate(extra):
-                if arg == name and k + 1 < len(extra):
-                    return extra[k + 1]
-                if arg.startswith(name + "="):
-                    return arg.split("=", 1)[1]
-            return None
-
-        batched, seqs = flag("--max-num-batched-tokens"), flag("--max-num-seqs")
-        compilation = flag("--compilation-config") or "{}"
-        try:
-            specialize = bool(json.loads(compilation).get("cudagraph_specialize_lora", False))
-        except (ValueError, AttributeError):
-            specialize = False  # vLLM refuses what it cannot parse, with its own message
-        keep, named = int(gateway["keep_versions"]), int(gateway.get("named_slots") or 0)
-        return cls(
-            dtype=str(v["dtype"]),
-            max_lora_rank=int(v["max_lora_rank"]),
-            # vLLM's --max-loras, as the gateway passes it
-            max_loras=lora_slots(keep) + named,
-            max_model_len=v["max_model_len"],
-            gpu_memory_utilization=v["gpu_memory_utilization"],
-            kv_cache_memory_bytes=v["kv_cache_memory_bytes"],
-            max_num_batched_tokens=int(batched) if batched else None,
-            max_num_seqs=int(seqs) if seqs else None,
-            kv_cache_dtype=flag("--kv-cache-dtype"),
-            enforce_eager=bool(v.get("enforce_eager")) or "--enforce-eager" in extra,
-            keep_versions=keep,
-            named_slots=named,
-            specialize_lora=specialize,
-        )
-
-    def slot_parts(self) -> str:
-        """What vLLM's --max-loras slots hold (rlcommon/slots.py), and its --max-cpu-loras."""
-        named = f" + {self.named_slots} named (eval)" if self.named_slots else ""
-        return (
-            f"{self.keep_versions} kept + current + publishing + base-zero-lora{named}; "
-            f"--max-cpu-loras {self.max_loras}"
-        )
-
-
-def build_vllm_plan(
-    shape: ModelShape, cfg: RunConfig, v: VLLMSettings, gpu_bytes: int | None, on_cuda: bool = True
-) -> tuple[ProcessPlan, dict[str, int]]:
-    """vLLM's share of a GPU: inside its budget weights, LoRA slots (preallocated for max_loras adapters at
-    max_lora_rank in every linear layer), its profiling run's activations, its CUDA-graph estimate, an allowance,
-    and the KV cache that is left; outside it, the CUDA context."""
-    dtype = v.dtype if v.dtype != "auto" else str(shape.dtype or "bfloat16")
-    b = dtype_bytes(dtype)
-    plan = ProcessPlan()
-    plan.add(f"weights ({dtype})", shape.parameter_count() * b)
-    shapes = shape.linear_shapes()
-    slot_modules = [m for m in ALL_LINEAR] + (["lm_head"] if "lm_head" in lora_targets(cfg) else [])
-
-    def layers_of(m: str) -> int:
-        return 1 if m == "lm_head" else shape.dense_layers if m in MLP_PROJECTIONS else shape.layers
-
-    per_slot = sum(layers_of(m) * v.max_lora_rank * sum(shapes[m]) for m in slot_modules)
-    note = f"{v.max_loras} x rank {v.max_lora_rank} ({v.slot_parts()})"
-    if shape.experts is not None:
-        # vLLM's fused-MoE LoRA buffers: every expert's gate, up and down A and B at max_lora_rank, per slot.
-        e = shape.experts
-        per_slot += e.layers * e.count * v.max_lora_rank * 3 * (shape.hidden + e.intermediate)
-        note += f"; experts: {e.count} per layer in {e.layers} layers"
-    plan.add("LoRA slots", v.max_loras * per_slot * b, note)
-    big_gpu = gpu_bytes is not None and gpu_bytes >= 70 * GiB
-    tokens = v.max_num_batched_tokens or (8192 if big_gpu else 2048)  # vLLM's server defaults (not A100s)
-    seqs = v.max_num_seqs or (1024 if big_gpu else 256)
-    # The profiling run: one layer's widest tensors at `tokens`, and fp32 logits (and probabilities) of the
-    # sampled positions. An estimate; vLLM measures its own and sizes the KV cache from what it saw.
-    plan.add(
-        "activations (profiling run)",
-        widest_layer_bytes(shape, tokens, b) + 2 * seqs * shape.vocab * 4,
-        f"{tokens} tokens, {seqs} seqs",
-    )
-    # The gateway always starts vLLM with --enable-lora; vLLM's CPU platform captures no graphs.
-    graphs = count_cuda_graphs(v, seqs, tokens, lora=True) if on_cuda else (0, 0)
-    each = "without and with LoRA" if v.specialize_lora else "once, LoRA active"
-    plan.add(
-        "CUDA graphs (vLLM's estimate)",
-        cuda_graph_bytes(shape, b, graphs, seqs, tokens),
-        f"{sum(graphs)} graphs: each batch size {each}" if sum(graphs) else "none captured",
-    )
-    plan.add("non-torch workspaces (allowance)", VLLM_RUNTIME_ALLOWANCE)
-    kv_b = 1 if (v.kv_cache_dtype or "").startswith("fp8") else b
-    per_token = 2 * shape.layers * shape.kv_dim * kv_b
-    max_len = v.max_model_len or shape.max_positions or cfg.rollout.max_token_length
-    one_seq = blocks(max_len) * per_token
-    fixed = plan.total
-    if v.kv_cache_memory_bytes is not None:
-        kv = v.kv_cache_memory_bytes
-        budget = fixed + kv
-    elif gpu_bytes is not None:
-        budget = int(gpu_bytes * (v.gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION))
-        kv = budget - fixed
-    else:
-        kv, budget = 0, 0
-    kv_tokens = max(kv, 0) // (per_token * VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS  # whole blocks only
-    if v.kv_cache_memory_bytes is not None or gpu_bytes is not None:
-        note = f"{kv_tokens} tokens = {kv_tokens / blocks(max_len):.1f} x max_model_len {max_len}"
-        plan.add("KV cache", kv, note)
-    plan.add("CUDA context, NCCL (allowance)", VLLM_CONTEXT_ALLOWANCE, "outside the utilization budget")
-    # A step samples groups_per_step x group_size sequences; each holds KV for its prompt and completion, which the
-    # environment caps at rollout.max_token_length (and vLLM at max_model_len): the worst case, prompts unknown here.
-    sequence = min(cfg.rollout.max_token_length, max_len)
-    return plan, {
-        "budget": budget,  # --gpu-memory-utilization x the GPU (or what kv_cache_memory_bytes implies)
-        "share": budget + VLLM_CONTEXT_ALLOWANCE,  # what vLLM holds on its GPU
-        "kv": kv,
-        "kv_tokens": kv_tokens,
-        "one_sequence": one_seq,
-        "fixed": fixed,
-        "max_len": max_len,
-        "graphs": sum(graphs),
-        "step_sequences": cfg.rollout.batch_size,
-        "groups": cfg.rollout.groups_per_step,
-        "group_size": cfg.rollout.group_size,
-        "sequence_tokens": sequence,
-        "sequences_at_once": kv_tokens // blocks(sequence),
-    }
-
-
-def blocks(tokens: int) -> int:
-    """Tokens of KV cache a sequence of `tokens` occupies: vLLM allocates whole blocks."""
-    return -(-tokens // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS
-
-
-def widest_layer_bytes(shape: ModelShape, tokens: int, b: int) -> int:
-    """One decoder layer's widest live tensors in an inference forward over `tokens` tokens."""
-    return tokens * (2 * shape.mlp_width + shape.q_dim + 2 * shape.kv_dim + 2 * shape.hidden) * b
-
-
-def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
-    """Batch sizes (tokens) vLLM 0.32 captures CUDA graphs for by default (VllmConfig's capture-size rule, one
-    token per decode step): 1, 2, 4, multiples of 8 below 256 and of 16 from 256, up to min(2 x max_num_seqs, 512,
-    max_num_batched_tokens); plus max_num_batched_tokens and max_num_seqs where they are under that ceiling."""
-    first = min(2 * max_num_seqs, VLLM_MAX_GRAPH_TOKENS)
-    ceiling = min(first, max_num_batched_tokens)
-    sizes = {s for s in (1, 2, 4) if s <= ceiling}
-    sizes |= set(range(8, min(ceiling + 1, 256), 8)) | set(range(256, ceiling + 1, 16))
-    if max_num_batched_tokens <= first:
-        sizes.add(max_num_batched_tokens)
-    if max_num_seqs <= first and max_num_seqs <= max_num_batched_tokens:
-        sizes.add(max_num_seqs)  # the widest uniform decode batch
-    return sorted(sizes)
-
-
-def count_cuda_graphs(v: VLLMSettings, seqs: int, tokens: int, lora: bool) -> tuple[int, int]:
-    """(PIECEWISE, FULL) graphs vLLM 0.32 captures in its default FULL_AND_PIECEWISE mode: mixed batches at every
-    capture size, decode-only batches at those up to max_num_seqs (vllm/v1/cudagraph_dispatcher.py). With LoRA
-    and cudagraph_specialize_lora (vLLM's default, which the gateway turns off on CUDA) each is captured twice,
-    without and with adapters active."""
-    if v.enforce_eager:
-        return 0, 0
-    sizes = capture_sizes(seqs, tokens)
-    cases = 2 if lora and v.specialize_lora else 1
-    return len(sizes) * cases, sum(1 for s in sizes if s <= seqs) * cases
-
-
-def cuda_graph_bytes(shape: ModelShape, b: int, graphs: tuple[int, int], seqs: int, tokens: int) -> int:
-    """vLLM's CUDA-graph estimate: the largest capture's activations (graphs share one memory pool, so this is
-    counted once) plus VLLM_GRAPH_BYTES for every other graph of each mode."""
-    if not sum(graphs):
-        return 0
-    largest = capture_sizes(seqs, tokens)[-1]
-    return widest_layer_bytes(shape, largest, b) + VLLM_GRAPH_BYTES * sum(max(n - 1, 0) for n in graphs)
 
 
 @dataclass
@@ -822,29 +429,3 @@ def format_kv_capacity(f: dict[str, int]) -> str:
         f"{f['group_size']}) of up to {f['sequence_tokens']} tokens (rollout.max_token_length, prompt + "
         f"completion): {f['sequences_at_once']} fit at once = {f['sequences_at_once'] / step:.2f} step batches"
     )
-
-
-def load_model_config(path: str) -> dict[str, Any] | None:
-    """config.json of a local folder, the offline tiny model, or a hub id in the local HF cache (None if none)."""
-    if path in ("tiny", "tiny-moe"):
-        from trainer.backends.tiny_model import MODEL_SHAPE, MOE_SHAPE, VOCAB_SIZE
-
-        return {
-            **MODEL_SHAPE,
-            **(MOE_SHAPE | {"model_type": "qwen3_moe"} if path == "tiny-moe" else {}),
-            "vocab_size": VOCAB_SIZE,
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-        }
-    folder = Path(path)
-    if (folder / "config.json").is_file():
-        return dict(json.loads((folder / "config.json").read_text()))
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(path, "config.json")
-    except Exception:  # not a valid repo id
-        return None
-    if isinstance(cached, str):
-        return dict(json.loads(Path(cached).read_text()))
-    return None

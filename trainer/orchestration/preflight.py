@@ -394,13 +394,12 @@ def plan_memory(
     """The memory plan's lines to print and the reasons the config cannot fit (empty when it fits, runs on CPU,
     or the GPU's size is unknown). A dry run without a GPU plans for CUDA unless model.device is cpu."""
     from trainer.orchestration.memory_plan import (
-        GiB,
         build_memory_plan,
         check_fit,
         choose_recomputed_layers,
         format_plan,
-        load_model_config,
     )
+    from trainer.orchestration.model_shape import GiB, load_model_config
 
     if cfg.launch.backend != "local":
         return [], []

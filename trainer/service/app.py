@@ -55,7 +55,10 @@ from trainer.service.sampling import (
 )
 from trainer.service.wire import (
     ForwardBackwardCall,
+    Result,
     UserError,
+    body_field,
+    call_of,
     decode_forward_backward,
     encode_forward_backward,
 )
@@ -76,12 +79,6 @@ class Ordered:
 
     next_seq: int = 1
     cond: asyncio.Condition = field(default_factory=asyncio.Condition)
-
-
-@dataclass
-class Result:
-    body: bytes | dict[str, Any]
-    proto: bool = False
 
 
 def _error(message: str, category: str = "user") -> Result:
@@ -529,7 +526,10 @@ class Service:
 
     def create_sampler(self, body: dict[str, Any]) -> str:
         self.sampling_enabled()
-        session_id, seq = _field(body, "session_id", str), _field(body, "sampling_session_seq_id", int)
+        session_id, seq = (
+            body_field(body, "session_id", str),
+            body_field(body, "sampling_session_seq_id", int),
+        )
         sampler_id = f"{session_id}:sample:{seq}"
         if sampler_id in self.samplers:
             return sampler_id  # a retried create
@@ -559,7 +559,7 @@ class Service:
         return parts[0], folder
 
     async def sample(self, body: dict[str, Any]) -> Result:
-        sampler_id = _field(body, "sampling_session_id", str)
+        sampler_id = body_field(body, "sampling_session_id", str)
         spec = self.samplers.get(sampler_id)
         if spec is None:
             raise UserError(
@@ -596,21 +596,9 @@ class Service:
             f.write(json.dumps({"unix_time": time.time(), "model_id": model_id, **row}) + "\n")
 
 
-def _field(body: dict[str, Any], key: str, kind: type) -> Any:
-    value = body.get(key)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise UserError(f"{key!r} must be a {kind.__name__}, got {value!r}")
-    return value
-
-
 def _new_model_id(body: dict[str, Any]) -> str:
     """A new training client's id: its session and its place among the session's clients."""
-    return f"{_field(body, 'session_id', str)}:train:{_field(body, 'model_seq_id', int)}"
-
-
-def _call_of(body: dict[str, Any]) -> tuple[str, int]:
-    """An existing training client's call: its model id and its seq_id (its place in the client's order)."""
-    return _field(body, "model_id", str), _field(body, "seq_id", int)
+    return f"{body_field(body, 'session_id', str)}:train:{body_field(body, 'model_seq_id', int)}"
 
 
 def build_app(cfg: RunConfig, policies: MultiLora) -> FastAPI:
@@ -692,7 +680,7 @@ def session_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/session_heartbeat")
     async def heartbeat(request: Request) -> JSONResponse:
-        session_id = _field(await json_body(request), "session_id", str)
+        session_id = body_field(await json_body(request), "session_id", str)
         if (
             session_id not in service.beats
         ):  # expired, closed, or from before a restart: the SDK stops beating
@@ -707,7 +695,7 @@ def session_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
-        return await service.retrieve(_field(await json_body(request), "request_id", str))
+        return await service.retrieve(body_field(await json_body(request), "request_id", str))
 
     return router
 
@@ -731,7 +719,7 @@ def training_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        return service.info(_field(await json_body(request), "model_id", str))
+        return service.info(body_field(await json_body(request), "model_id", str))
 
     @router.post(f"{API}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, str]:
@@ -751,7 +739,7 @@ def training_routes(service: Service) -> APIRouter:
     @router.post(f"{API}/optim_step")
     async def optim_step(request: Request) -> dict[str, str]:
         body = await json_body(request)
-        model_id, seq_id = _call_of(body)
+        model_id, seq_id = call_of(body)
         adam = body.get("adam_params")
         if adam is None and body.get("optimizer_params") is not None:
             raise UserError("only AdamParams are supported (optimizer_params of another type was sent)")
@@ -770,7 +758,7 @@ def weights_routes(service: Service) -> APIRouter:
     @router.post(f"{API}/save_weights")
     async def save_weights(request: Request) -> dict[str, str]:
         body = await json_body(request)
-        (model_id, seq_id), name = _call_of(body), _field(body, "path", str)
+        (model_id, seq_id), name = call_of(body), body_field(body, "path", str)
         return {
             "request_id": service.submit(lambda: service.save_state(model_id, name, body), model_id, seq_id)
         }
@@ -778,9 +766,9 @@ def weights_routes(service: Service) -> APIRouter:
     @router.post(f"{API}/load_weights")
     async def load_weights(request: Request) -> dict[str, str]:
         body = await json_body(request)
-        path, optimizer = _field(body, "path", str), bool(body.get("optimizer", False))
+        path, optimizer = body_field(body, "path", str), bool(body.get("optimizer", False))
         if "model_id" in body:
-            model_id, seq_id = _call_of(body)
+            model_id, seq_id = call_of(body)
             loaded = service.submit(lambda: service.load_state(model_id, path, optimizer), model_id, seq_id)
             return {"request_id": loaded}
         new_id = _new_model_id(body)
@@ -791,7 +779,7 @@ def weights_routes(service: Service) -> APIRouter:
     @router.post(f"{API}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, str]:
         body = await json_body(request)
-        (model_id, seq_id), name = _call_of(body), body.get("path")
+        (model_id, seq_id), name = call_of(body), body.get("path")
         session_seq = body.get("sampling_session_seq_id")
         request_id = service.submit(
             lambda: service.save_for_sampler(model_id, name, session_seq, body), model_id, seq_id
@@ -821,7 +809,7 @@ def sampling_routes(service: Service) -> APIRouter:
     @router.post(f"{API}/asample")
     async def asample(request: Request) -> dict[str, Any]:
         body = await json_body(request)
-        sampler_id = _field(body, "sampling_session_id", str)
+        sampler_id = body_field(body, "sampling_session_id", str)
         n = body.get("num_samples", 1)
         count = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 1024 else 1
         ids = sequence_ids(sampler_id, body.get("seq_id"), count)

@@ -15,17 +15,31 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from trainer.service.checkpoints import API, NotFound, json_body, parse_save_options
-from trainer.service.wire import UserError
+from trainer.service.wire import Result, UserError, body_field, call_of
 
-if TYPE_CHECKING:
-    from trainer.service.app import Result, Service
+
+class Service(Protocol):
+    """What these routes use of the service (trainer/service/app.py)."""
+
+    policies: Any
+    catalog: Any
+
+    def submit(
+        self, work: Callable[[], Result], model_id: str | None = None, seq_id: int | None = None
+    ) -> str: ...
+    def model_name(self, model_id: str) -> str: ...
+    def state_folder(self, model_id: str, kind: str, name: str) -> Path: ...
+    def record(self, model_id: str, row: dict[str, Any]) -> None: ...
+
 
 KIND = "external_weights"
 DOWNLOAD = "/external_weights"  # /external_weights/RUN/NAME/FILE?expires=UNIX&sig=HEX
@@ -44,8 +58,6 @@ class Signer:
 
 
 def save_external(service: Service, model_id: str, name: str, body: dict[str, Any]) -> Result:
-    from trainer.service.app import Result
-
     if body.get("age_encryption_recipients"):
         raise UserError(
             "save_weights_external: age_encryption_recipients are not supported by this service (its files are "
@@ -64,15 +76,13 @@ def save_external(service: Service, model_id: str, name: str, body: dict[str, An
 
 
 def external_weights_routes(service: Service) -> APIRouter:
-    from trainer.service.app import _call_of, _field
-
     router = APIRouter()
     signer = Signer()
 
     @router.post(f"{API}/save_weights_external")
     async def save_weights_external(request: Request) -> dict[str, str]:
         body = await json_body(request)
-        (model_id, seq_id), name = _call_of(body), _field(body, "path", str)
+        (model_id, seq_id), name = call_of(body), body_field(body, "path", str)
         work = lambda: save_external(service, model_id, name, body)  # noqa: E731
         return {"request_id": service.submit(work, model_id, seq_id)}
 

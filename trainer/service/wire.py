@@ -469,3 +469,23 @@ def encode_forward_backward(
         tensor.offsets = np.cumsum([0] + [a.nbytes for a in arrays[start:stop]]).astype(np.int64).tobytes()
         start = stop
     return out.SerializeToString()
+
+
+@dataclass
+class Result:
+    """What a training client's call answers once done: a JSON body, or a proto message's bytes."""
+
+    body: bytes | dict[str, Any]
+    proto: bool = False
+
+
+def body_field(body: dict[str, Any], key: str, kind: type) -> Any:
+    value = body.get(key)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise UserError(f"{key!r} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def call_of(body: dict[str, Any]) -> tuple[str, int]:
+    """An existing training client's call: its model id and its seq_id (its place in the client's order)."""
+    return body_field(body, "model_id", str), body_field(body, "seq_id", int)

@@ -118,14 +118,14 @@ def refusal_cause(check: ProbeCheck, noise: float | None, served_from: dict[str,
     trainer sent (the base model, the previous version). Nearer one of them than to the version published: vLLM
     serves that. Else, just past the tolerance: vLLM's numerics (its base model alone differs by `noise`). Else an
     adapter that is neither."""
-    value = check.value
-    if served_from:
+    if served_from:  # distances in the mean statistic's units, whichever statistic the check applied
         name, distance = min(served_from.items(), key=lambda item: item[1])
-        if distance < value:
+        if distance < check.mean_abs_diff:
             return (
                 f"the adapter: vLLM's answer is nearer the {name}'s ({distance:.3g}) than the version published "
-                f"({value:.3g})"
+                f"({check.mean_abs_diff:.3g})"
             )
+    value = check.value
     if math.isfinite(value) and value <= 2 * check.tolerance:
         base = "" if noise is None else f"; its base model alone differs by {noise:.3g}"
         return f"probably vLLM's numerics: within twice the tolerance and nearer nothing else{base}"

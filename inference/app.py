@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import json
 import logging
@@ -47,23 +46,16 @@ from inference.http.tokens import token_routes
 from inference.policy.gate import Gate
 from inference.policy.lease import LeaseBook
 from inference.policy.probe_check import (
-    NoiseFloor,
-    ProbeCheck,
-    calibrated_tolerance,
-    compare_probe,
     margin,
-    mean_distance,
-    refusal_cause,
-    separation,
 )
 from inference.policy.registry import Policy, PolicyRegistry, Recorded, VersionLedger
 from inference.samplers.lanes import SoloLane, scoring_runs_alone
+from inference.verification import PublishVerifier
 from inference.wire import (
     ExpectRequest,
     ExpectResponse,
     LookupResponse,
     PolicyStatus,
-    PublishProbe,
     PublishRequest,
     PublishResponse,
     RefillRequest,
@@ -137,9 +129,7 @@ class Gateway:
         self.stats = RequestStats()
         self.continuations_moved = 0  # episode turns sampled on another version than their episode's
         self.stop_notices = LogLimiter(burst=1, window_s=60.0)  # one INFO line per route and minute
-        # The base model's mean |vLLM - trainer| on a probe's prompts, measured at every publish: the noise floor
-        # of the `mean` verification statistic, per probe (inference/policy/probe_check.py).
-        self.base_noise: dict[tuple[tuple[int, ...], ...], NoiseFloor] = {}
+        self.verifier = PublishVerifier(backend, self.lane, registry)
         # A shared engine's lease (inference/http/engine.py): None for a run's own gateway.
         self.leases = LeaseBook(cfg.lease_ttl_s) if cfg.engine else None
 
@@ -268,7 +258,7 @@ class Gateway:
                     version=req.version, lora_name=policy.model_name, load_s=0.0, unloaded=[], noop=True
                 )
             started = time.perf_counter()
-            noise = None if req.probe is None else await self._calibrate(req.probe)
+            noise = None if req.probe is None else await self.verifier.calibrate(req.probe)
             if needs_load:
                 assert req.adapter_path is not None  # only version 0 has none, and it is never loaded
                 # In a worker thread: reading a large adapter must not stall every other request and /health.
@@ -277,7 +267,7 @@ class Gateway:
             check, verify_s = (
                 (None, None)
                 if req.probe is None
-                else await self._verify(policy, req.probe, needs_load, noise)
+                else await self.verifier.verify(policy, req.probe, needs_load, noise)
             )
             retracted = self.registry.make_current(policy)
             load_s = time.perf_counter() - started
@@ -321,95 +311,6 @@ class Gateway:
             self.gate.open()  # no gate, a quota (a mixed run at max_staleness 1): the new version's own shares
         return None
 
-    async def _probe_answer(self, probe: PublishProbe, policy: Policy) -> list[dict[int, float]]:
-        body = {
-            "prompt": probe.prompts,
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "logprobs": max(len(top) for top in probe.top_logprobs),
-            "return_tokens_as_token_ids": True,
-        }
-        async with self.lane.enter(False):
-            return served_top_logprobs(await self.backend.forward("/v1/completions", body, policy))
-
-    async def _calibrate(self, probe: PublishProbe) -> float | None:
-        """The `mean` statistic's noise floor: the base model on both sides of the probe, measured now and folded
-        into the probe's rolling estimate (a vLLM restart starts it afresh). A base that does not even share its
-        top tokens with the trainer's base is not the trainer's model: nothing can be verified."""
-        if probe.statistic != "mean" or "base" not in probe.references:
-            return None
-        check = compare_probe(
-            probe.references["base"], await self._probe_answer(probe, self.registry.base), 1.0
-        )
-        if not math.isfinite(check.mean_abs_diff):
-            raise BackendError(
-                422,
-                "publish verification: vLLM's base model does not give the trainer's base-model logprobs on "
-                f"the probe prompts ({check.describe()}); the gateway serves another model than the "
-                "trainer trains, or a broken one. Check inference.model against model.path",
-                reason="verification_failed",
-            )
-        floor = self.base_noise.setdefault(tuple(tuple(prompt) for prompt in probe.prompts), NoiseFloor())
-        restarts = self.backend.restarts
-        if restarts != floor.process:
-            log.info(
-                "publish verification calibrates on the base model (vLLM process %d): %s",
-                restarts,
-                check.describe(),
-            )
-        return floor.add(check.mean_abs_diff, restarts)
-
-    async def _verify(
-        self, policy: Policy, probe: PublishProbe, loaded_now: bool, noise: float | None
-    ) -> tuple[ProbeCheck, float]:
-        """One greedy token per probe prompt on `policy` (not yet serving), its top-k logprobs compared with the
-        trainer's; on a mismatch the adapter is unloaded again and the publish refused with the numbers."""
-        started = time.perf_counter()
-        tolerance = probe.tolerance
-        if noise is not None:
-            tolerance = calibrated_tolerance(probe.tolerance, noise, probe.adapter_effect or 0.0)
-        try:
-            served = await self._probe_answer(probe, policy)
-        except BackendError:
-            # vLLM refused or lost the probe itself (e.g. a probe prompt past the context): the version is refused
-            # all the same, and nothing may stay loaded under its name, or its next publish would be "loaded already".
-            if loaded_now:
-                with contextlib.suppress(BackendError):
-                    await self.backend.unload_adapter(policy)
-            raise
-        check = compare_probe(probe.top_logprobs, served, tolerance, probe.statistic)
-        check = dataclasses.replace(
-            check, separation=separation(probe.top_logprobs, probe.references, tolerance)
-        )
-        if check.passed:
-            return check, time.perf_counter() - started
-        served_from = {name: mean_distance(ref, served) for name, ref in probe.references.items()}
-        cause = refusal_cause(check, noise, served_from)
-        log.error(
-            "publish of version %d refused: the loaded adapter %s does not give the trainer's logprobs (%s): %s",
-            policy.version,
-            policy.adapter_path,
-            check.describe(),
-            cause,
-        )
-        if loaded_now:
-            with contextlib.suppress(BackendError):
-                await self.backend.unload_adapter(policy)
-        raise BackendError(
-            422,
-            f"publish verification failed for version {policy.version} ({policy.adapter_path}): "
-            f"{check.describe()}. Cause: {cause}; it was not made current. Check that the folder was written "
-            "completely and matches the trainer's base model",
-            reason="verification_failed",
-            detail={
-                "max_abs_diff": check.max_abs_diff if math.isfinite(check.max_abs_diff) else None,
-                "mean_abs_diff": check.mean_abs_diff if math.isfinite(check.mean_abs_diff) else None,
-                "tolerance": check.tolerance,
-                "noise": noise,
-                "compared": check.compared,
-            },
-        )
-
     def _publish_target(self, req: PublishRequest, path: str | None) -> tuple[Policy, bool]:
         """The policy a publish makes current and whether it must be loaded first; 409 for a plain publish that
         would go back in time or change the current version's adapter."""
@@ -424,17 +325,6 @@ class Gateway:
             f"({current.adapter_path}); a trainer that restarted from a checkpoint publishes its checkpoint's "
             "version with replace_newer: true",
         )
-
-
-def served_top_logprobs(answer: dict[str, Any]) -> list[dict[int, float]]:
-    """Per choice (one per probe prompt), the first generated position's top-k logprobs from an OpenAI
-    completions body asked with return_tokens_as_token_ids ("token_id:<id>" keys); {} where absent."""
-    tops: list[dict[int, float]] = []
-    for choice in sorted(answer.get("choices", []), key=lambda c: c.get("index", 0)):
-        positions = (choice.get("logprobs") or {}).get("top_logprobs") or [{}]
-        top = positions[0] or {}
-        tops.append({int(str(k).removeprefix("token_id:")): float(v) for k, v in top.items()})
-    return tops
 
 
 def _page_refusal(status: int, message: str) -> bytes:

@@ -62,7 +62,7 @@ ORCHESTRATION_MODULES = {
 # http (body guard, parsing, named-adapter routes) -> samplers (vLLM, Tinker, replicas, lanes) -> policy (registry,
 # gate, adapter checks, probe check) -> the bottom, which the trainer may share (wire) or anything may use.
 INFERENCE_LAYERS: list[tuple[str, set[str]]] = [
-    ("top", {"inference.__main__", "inference.app"}),
+    ("top", {"inference.__main__", "inference.app", "inference.verification"}),
     ("http", {"inference.http"}),
     ("samplers", {"inference.samplers"}),
     ("policy", {"inference.policy"}),

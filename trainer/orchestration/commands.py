@@ -22,7 +22,8 @@ from typing import Any
 from rlcommon.envkeys import env_key
 from trainer.orchestration.processes import Component
 from trainer.orchestration.slurm import Placement, srun_prefix
-from trainer.training.config import VERIFIERS_PREFIX, ConfigError, EnvSpec, RunConfig
+from trainer.training.config import ConfigError, RunConfig
+from trainer.training.rollout_config import VERIFIERS_PREFIX, EnvSpec
 from trainer.training.wandb_group import ENVIRONMENT, TRAINER, current_mode, process_environ
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,7 +29,8 @@ from trainer.orchestration.commands import resolve_env_module
 from trainer.orchestration.evaluation import BASE, Evaluation, Target, evaluate_now
 from trainer.orchestration.preflight import check_model
 from trainer.training.checkpoints import VERSION_DIR, adapter_dir, write_atomic
-from trainer.training.config import ConfigError, EnvSpec, RunConfig, load_config
+from trainer.training.config import ConfigError, RunConfig, load_config
+from trainer.training.rollout_config import EnvSpec
 
 SHOWN = ("eval/pass@1", "eval/reward/mean", "eval/items")
 MAX_COLUMNS = 6

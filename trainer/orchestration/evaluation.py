@@ -26,7 +26,8 @@ import httpx
 from trainer.orchestration.commands import ROOT, flag, resolve_env_module, verifiers_flags
 from trainer.orchestration.processes import Component, stop_all
 from trainer.training.checkpoints import adapter_dir, write_atomic
-from trainer.training.config import EnvSpec, RunConfig
+from trainer.training.config import RunConfig
+from trainer.training.rollout_config import EnvSpec
 from trainer.training.wandb_group import EvalRun
 
 EVAL_FILE = "eval.jsonl"

@@ -43,8 +43,9 @@ from trainer.orchestration.slurm import Placement, SlurmJob, job_from_env, parse
 from trainer.orchestration.supervisor import LaunchError, Supervisor, wait_http
 from trainer.training import wandb_group
 from trainer.training.checkpoints import read_latest
-from trainer.training.config import ConfigError, EnvSpec, RunConfig, load_config, sampler_dtype
+from trainer.training.config import ConfigError, RunConfig, load_config, sampler_dtype
 from trainer.training.distill import resolve_teacher, teacher_kind
+from trainer.training.rollout_config import EnvSpec
 from trainer.training.teacher_http import api_key, preflight_url_teacher
 
 ANY_HOST = frozenset({"0.0.0.0", "::"})

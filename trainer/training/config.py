@@ -5,17 +5,24 @@ Each default is written once, here, with its unit. Loading never touches a model
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from rlcommon.hosts import LOOPBACK_HOSTS
 from rlcommon.overrides import apply_overrides, error_lines, renamed_key
-from rlcommon.slots import DEFAULT_MAX_STALENESS, KEEP_VERSIONS_MEANING
+from rlcommon.slots import KEEP_VERSIONS_MEANING
+from trainer.training.config_base import Section
+from trainer.training.launch_config import (
+    ENGINE_KEYS,
+    EngineAttachKeys,
+    LaunchConfig,
+    PricingConfig,
+    ServiceConfig,
+    TinkerConfig,
+)
 from trainer.training.lora_spec import tinker_lora_flags
 from trainer.training.losses import (
     DEFAULT_DRO_BETA,
@@ -27,13 +34,10 @@ from trainer.training.losses import (
     RatioMask,
     Reduction,
 )
+from trainer.training.rollout_config import RolloutConfig
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field(
         "tiny", description="HF hub id, local folder, or 'tiny' for the offline random test model"
     )
@@ -66,7 +70,7 @@ class ModelConfig(_Section):
         return layers if self.gradient_checkpointing else 0
 
 
-class LoraConfig(_Section):
+class LoraConfig(Section):
     rank: int = Field(32, ge=1, description="LoRA rank r")
     alpha: int = Field(32, gt=0, description="LoRA alpha; scale = alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
@@ -76,7 +80,7 @@ class LoraConfig(_Section):
     seed: int = Field(0, description="seed for the LoRA initialisation and trainer RNG")
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     lr: float = Field(4e-5, gt=0, description="peak learning rate")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
@@ -90,7 +94,7 @@ class OptimConfig(_Section):
     total_steps: int = Field(0, ge=0, description="steps for linear/cosine decay to reach 0; 0 = no decay")
 
 
-class LossConfig(_Section):
+class LossConfig(Section):
     name: LossName = Field("importance_sampling", description="Tinker loss name, or grpo")
     reduction: Reduction = Field("sum", description="sum = Tinker's; means divide by batch-level counts")
     clip_low_threshold: float | None = Field(
@@ -120,7 +124,7 @@ class LossConfig(_Section):
         )
 
 
-class AdvantageConfig(_Section):
+class AdvantageConfig(Section):
     normalize_std: bool | None = Field(None, description="divide by group std; None = only for the grpo loss")
     std_eps: float = Field(1e-6, gt=0, description="added to the std before dividing")
     sampler_logprobs: Literal["raw", "processed"] = Field(
@@ -129,7 +133,7 @@ class AdvantageConfig(_Section):
     )
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     max_seq_len: int = Field(
         2048, ge=2, description="longest prompt+completion the trainer trains, tokens (see overlong)"
     )
@@ -187,7 +191,7 @@ class TrainerConfig(_Section):
     )
 
 
-class PublishConfig(_Section):
+class PublishConfig(Section):
     """How each new adapter reaches the sampler: the on-policy gate around it, its overlap with the next batch's
     wait, and the check that the served adapter is the trained one."""
 
@@ -254,7 +258,7 @@ class PublishConfig(_Section):
         return self.gate == "on" or (self.gate == "auto" and max_staleness == 0)
 
 
-class DistributedConfig(_Section):
+class DistributedConfig(Section):
     """Data-parallel training: torchrun starts the ranks, DDP sums LoRA gradients across them. The frozen base is
     replicated on every rank (LoRA's optimizer state is tiny, so sharding it with FSDP would buy nothing)."""
 
@@ -275,205 +279,12 @@ class DistributedConfig(_Section):
         return self.nproc_per_node * self.nnodes
 
 
-class EnvEntry(_Section):
-    """One environment of a mixed run (`rollout.envs`); unset fields take the rollout section's value."""
-
-    env: str = Field(
-        ...,
-        description="environments/<name>.py, a path to any Atropos environment file, or vf:<id or file.py> (a "
-        "verifiers environment)",
-    )
-    name: str | None = Field(
-        None,
-        pattern=r"^[A-Za-z0-9_.-]+$",
-        description="the environment's name in metrics (reward/<name>/mean) and logs; None = the env's stem",
-    )
-    weight: float = Field(
-        1.0,
-        gt=0,
-        allow_inf_nan=False,
-        description="relative share of every batch: run-api fills each batch with weight / sum(weights) of its "
-        "sequences from this environment first (whole groups), the rest with the oldest groups of any",
-    )
-    env_args: dict[str, Any] = Field(
-        default_factory=dict, description="extra --env.<key> <value> flags of this environment"
-    )
-    group_size: int | None = Field(None, ge=1, description="samples per prompt; None = rollout.group_size")
-    max_token_length: int | None = Field(
-        None, ge=2, description="prompt+completion limit; None = rollout.max_token_length"
-    )
-    workers: int | None = Field(
-        None, ge=1, description="processes of this environment; None = rollout.env_workers"
-    )
-
-
-VERIFIERS_PREFIX = "vf:"  # rollout.env=vf:ID names a verifiers environment
-
-
-@dataclass(frozen=True)
-class EnvSpec:
-    """One environment of the run with every setting resolved: what commands, metrics and evaluation iterate."""
-
-    name: str
-    env: str
-    weight: float
-    share: float  # weight / sum of weights: the fraction of each batch it is allotted
-    env_args: dict[str, Any]
-    group_size: int
-    max_token_length: int
-    workers: int
-
-    @property
-    def is_verifiers(self) -> bool:
-        """`vf:<id or file.py>`: a verifiers environment, run by environments.verifiers_runner in its own venv."""
-        return self.env.startswith(VERIFIERS_PREFIX)
-
-    @property
-    def is_file(self) -> bool:
-        return not self.is_verifiers and self.env.endswith(".py")
-
-    def batch_sequences(self, batch_size: int) -> int:
-        """Sequences run-api fills each batch with from this environment first: its share, up to whole groups."""
-        return math.ceil(int(batch_size * self.share) / self.group_size) * self.group_size
-
-
-class RolloutConfig(_Section):
-    env: str = Field(
-        "toy",
-        description="environments/<name>.py, a path to any Atropos environment file, or vf:<id or file.py> (a "
-        "verifiers environment; the one-environment case; "
-        "rollout.envs mixes several)",
-    )
-    envs: list[EnvEntry] = Field(
-        default_factory=list,
-        description="several environments mixed in one run by weight (each: env, name, weight, env_args, "
-        "group_size, max_token_length, workers); empty = rollout.env alone",
-    )
-    group_size: int = Field(8, ge=1, description="samples per prompt (Atropos group_size)")
-    groups_per_step: int = Field(
-        8, ge=1, description="groups per optimizer step; batch = groups x group_size"
-    )
-    max_staleness: int = Field(
-        DEFAULT_MAX_STALENESS,
-        ge=0,
-        description="policy versions a trained rollout may lag; 0 = on-policy (the gateway keeps as many loaded "
-        "unless inference.keep_versions says otherwise)",
-    )
-    temperature: float = Field(1.0, gt=0, description="sampling temperature the environment requests")
-    max_new_tokens: int = Field(256, ge=1, description="completion length limit, tokens")
-    max_token_length: int = Field(2048, ge=2, description="prompt+completion limit the environment enforces")
-    num_steps: int = Field(100, ge=1, description="optimizer steps in the run")
-    env_workers: int = Field(1, ge=1, description="environment processes")
-    max_batches_offpolicy: int | None = Field(
-        None,
-        ge=1,
-        description="batches the env may keep queued or in flight; None = max(1, max_staleness), "
-        "or max(1, max_staleness - 1) in a mixed run (rollout.envs)",
-    )
-    env_args: dict[str, Any] = Field(default_factory=dict, description="extra --env.<key> <value> flags")
-    missing_logprobs: Literal["recompute", "drop"] = Field(
-        "recompute",
-        description="a group without inference_logprobs (tokenize_for_trainer environments): the local trainer "
-        "uses its own logprobs as the sampler's (importance ratio 1, exact on-policy), or drops the group; "
-        "the Tinker backend always drops",
-    )
-    unknown_version: Literal["keep", "drop"] = Field(
-        "keep",
-        description="sequences the gateway's ledger never saw (an environment that re-tokenizes a multi-turn "
-        "chat): keep them (their lag is bounded by max_batches_offpolicy) or drop them",
-    )
-    seed: int = Field(0, description="environment data seed")
-    mix_wait_s: float = Field(
-        30.0,
-        gt=0,
-        description="a mixed run: once the trainer has waited this long for a batch that an environment sending "
-        "nothing holds back, the batch forms without that environment's share (the shortfall is counted)",
-    )
-    refill_zero_variance: bool = Field(
-        False,
-        description="dynamic sampling: leave out groups whose rewards are all equal (zero advantage, no gradient) "
-        "and give their places to further groups before the step trains, up to rollout.refill_max_groups per step; "
-        "groups a step does not need wait for the next one",
-    )
-    refill_max_groups: int | None = Field(
-        None,
-        ge=1,
-        description="equal-reward groups a step may leave out with rollout.refill_zero_variance; past it the step "
-        "trains what it has (a solved task cannot stall the run); None = rollout.groups_per_step",
-    )
-
-    @property
-    def batch_size(self) -> int:
-        return self.group_size * self.groups_per_step
-
-    @model_validator(mode="after")
-    def _check_envs(self) -> RolloutConfig:
-        if not self.envs:
-            return self
-        # A resolved config written back to a file carries the default rollout.env beside rollout.envs.
-        if self.env != RolloutConfig.model_fields["env"].default:
-            raise ValueError(
-                f"rollout.env={self.env!r} and rollout.envs are both set: rollout.envs names every environment of "
-                "the run; drop rollout.env (and the ENV argument of launch.sh)"
-            )
-        seen: dict[str, int] = {}
-        for i, spec in enumerate(self.env_specs()):
-            if spec.name in seen:
-                raise ValueError(
-                    f"rollout.envs.{i}: name {spec.name!r} is already rollout.envs.{seen[spec.name]}'s; give one of "
-                    "them another name (its `name:`) so metrics and logs can tell them apart"
-                )
-            seen[spec.name] = i
-            if self.batch_size % spec.group_size:
-                raise ValueError(
-                    f"rollout.envs.{i} ({spec.name}): group_size={spec.group_size} does not divide the batch "
-                    f"(rollout.group_size x groups_per_step = {self.batch_size}); run-api would never form a batch"
-                )
-        return self
-
-    def env_specs(self) -> list[EnvSpec]:
-        """Every environment of the run, resolved; rollout.env alone is one entry of weight 1 (share 1.0)."""
-        entries = self.envs or [
-            EnvEntry(
-                env=self.env, env_args=self.env_args, workers=self.env_workers
-            )  # the one-environment case
-        ]
-        total = math.fsum(e.weight for e in entries)
-        return [
-            EnvSpec(
-                name=e.name or Path(e.env.removeprefix(VERIFIERS_PREFIX)).stem,
-                env=e.env,
-                weight=e.weight,
-                share=e.weight / total,
-                env_args=e.env_args,
-                group_size=e.group_size or self.group_size,
-                max_token_length=e.max_token_length or self.max_token_length,
-                workers=e.workers or self.env_workers,
-            )
-            for e in entries
-        ]
-
-    @property
-    def mixed(self) -> bool:
-        return len(self.envs) > 1
-
-    def env_processes(self) -> list[tuple[str, EnvSpec, int]]:
-        """(component name, environment, worker index) of every environment process: `env` or `env-<w>` for
-        rollout.env alone, `env-<name>` or `env-<name>-<w>` for each entry of rollout.envs."""
-        out = []
-        for spec in self.env_specs():
-            base = f"env-{spec.name}" if self.envs else "env"
-            for w in range(spec.workers):
-                out.append((base if spec.workers == 1 else f"{base}-{w}", spec, w))
-        return out
-
-
 def is_url_teacher(teacher: str) -> bool:
     """distill.teacher names a server (trainer/training/teacher_http.py) rather than weights the trainer loads."""
     return teacher.startswith(("http://", "https://"))
 
 
-class DistillConfig(_Section):
+class DistillConfig(Section):
     """On-policy distillation (trainer/training/distill.py): a teacher scores the student's sampled tokens."""
 
     teacher: str | None = Field(
@@ -542,7 +353,7 @@ class DistillConfig(_Section):
         return self
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """Held-out evaluation while training: the environment's own evaluate() in a process of its own, sampling the
     policy of one step through the gateway's /eval/<target>/ routes (no on-policy gate, quota or ledger)."""
 
@@ -577,159 +388,7 @@ class EvalConfig(_Section):
         return self.every_steps > 0
 
 
-class TinkerConfig(_Section):
-    timeout_s: float = Field(60.0, gt=0, description="deadline for any single Tinker call, seconds")
-    tokenizer: str | None = Field(None, description="tokenizer (hub id or folder); None = model.path")
-    client_factory: str | None = Field(
-        None,
-        description="'module:function' returning a ServiceClient-like object (proxies, tests); None = tinker's",
-    )
-
-
-class PricingConfig(_Section):
-    """Prices the comparison report uses to estimate cost; edit them to your contract."""
-
-    tinker_sample_usd_per_mtok: float = Field(
-        0.0, ge=0, description="Tinker sampling price, USD per 1M tokens"
-    )
-    tinker_train_usd_per_mtok: float = Field(
-        0.0, ge=0, description="Tinker training price, USD per 1M tokens"
-    )
-    local_gpu_usd_per_hour: float = Field(0.0, ge=0, description="what the local GPU box costs per hour, USD")
-
-
-class EngineAttachKeys(_Section):
-    """Keys of a run's `inference:` section that are the run's, not its gateway's: they attach the run to a shared
-    engine (launch.sh engine; trainer/orchestration/attach.py) and never reach a gateway.yaml."""
-
-    engine_url: str | None = Field(
-        None,
-        description="a shared engine's URL (launch.sh engine): the run starts no gateway or vLLM of its own and "
-        "holds the engine through a lease",
-    )
-    engine_lease: str | None = Field(
-        None, description="set by the launcher: the run's lease id on the engine (a resumed run keeps it)"
-    )
-
-
-ENGINE_KEYS = tuple(EngineAttachKeys.model_fields)
-
-
-class LaunchConfig(_Section):
-    backend: Literal["local", "tinker"] = Field(
-        "local", description="who trains and samples: this box or Tinker"
-    )
-    run_api_port: int = Field(0, ge=0, lt=65536, description="Atropos run-api port; 0 = a free one")
-    run_api_url: str | None = Field(None, description="set by the launcher once run-api is up")
-    gateway_url: str | None = Field(None, description="set by the launcher once the gateway is healthy")
-    dashboard: bool = Field(
-        False,
-        description="serve the live dashboard of this run on 127.0.0.1 (a free port; its URL is printed)",
-    )
-    health_timeout_s: float = Field(600.0, gt=0, description="deadline for each component to become healthy")
-    idle_warn_s: float = Field(
-        180.0,
-        ge=0,
-        description="print why the run is idle after this many seconds without a training step (repeated as "
-        "long as it lasts); 0 = never",
-    )
-    wandb: bool = Field(
-        False,
-        description="also log the trainer's, the environments' and the evaluations' metrics to Weights & Biases, "
-        "one group per run; online with a W&B login, else offline, unless WANDB_MODE says",
-    )
-    wandb_project: str = Field("rl-lora", description="W&B project")
-    slurm_bind_host: str = Field(
-        "0.0.0.0",
-        description="under SLURM: address run-api and the gateway bind (other nodes must reach them)",
-    )
-    max_restarts_per_hour: int = Field(
-        10,
-        ge=0,
-        description="restarts of each component (trainer, run-api, an environment, the gateway) the launcher "
-        "makes within any hour before it gives up and stops the run; 0 = a death ends the run",
-    )
-    gpu_memory_gib: float | None = Field(
-        None,
-        gt=0,
-        description="memory of each GPU for the launcher's memory plan, GiB; None = read from the GPU at launch "
-        "(a dry run on a machine without one then prints the plan without checking the fit)",
-    )
-    slurm_port_base: int = Field(
-        20000,
-        ge=1024,
-        lt=25536,
-        description="under SLURM: ports are base + 4 x (job id mod "
-        "10000) + 0..2 for run-api, gateway, torchrun rendezvous",
-    )
-
-
-MIN_SERVICE_KEY_CHARS = 20  # tml- and 16 more: a key off loopback
-
-
-class ServiceConfig(_Section):
-    """The local Tinker-protocol service (`bash launch.sh service`): the unmodified tinker SDK trains LoRA adapters
-    of `model.path` here, several clients on one base."""
-
-    host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 exposes it to the network")
-    port: int = Field(8100, ge=0, le=65535, description="port to bind (0: any free port, printed at start)")
-    output_dir: str = Field(
-        "runs/service", description="one folder per training client: metrics.jsonl, states"
-    )
-    api_key: str | None = Field(
-        None, description="when set, the X-API-Key the SDK must send (it always sends one starting tml-)"
-    )
-    max_clients: int = Field(8, ge=1, description="training clients at once (each holds an adapter and Adam)")
-    poll_hold_s: float = Field(
-        20.0,
-        gt=0,
-        lt=45,
-        description="how long a retrieve_future poll waits for its result (SDK timeout: 45 s)",
-    )
-    session_timeout_s: float = Field(
-        300.0,
-        gt=10,
-        description="a session whose SDK sent no heartbeat (every 10 s) for this long is ended: its clients released",
-    )
-    sampling: bool = Field(
-        True,
-        description="launch.sh service starts a gateway with vLLM beside the service to sample (false: no vLLM)",
-    )
-    gateway_url: str | None = Field(
-        None,
-        description="the gateway that samples (launch.sh service starts one and sets this); None: training only",
-    )
-    gateway_token: str | None = Field(
-        None, description="the gateway's inference.publish_token, when it has one"
-    )
-    max_loaded_samplers: int = Field(
-        8, ge=1, description="sampler adapters kept loaded in vLLM; older ones are loaded again when sampled"
-    )
-    sampler_snapshots_kept: int = Field(
-        8,
-        ge=1,
-        description="unnamed snapshots (save_weights_and_get_sampling_client) kept per training client; older "
-        "ones are deleted",
-    )
-
-    @model_validator(mode="after")
-    def _key_off_loopback(self) -> ServiceConfig:
-        # The gateway and the dashboard refuse an open bind beyond this machine; so does the service.
-        if self.host not in LOOPBACK_HOSTS and len(self.api_key or "") < MIN_SERVICE_KEY_CHARS:
-            have = (
-                "no service.api_key"
-                if not self.api_key
-                else f"a service.api_key of {len(self.api_key)} characters"
-            )
-            raise ValueError(
-                f"service.host={self.host!r} exposes the service beyond this machine with {have}: set "
-                f"service.api_key (tml- and at least {MIN_SERVICE_KEY_CHARS} characters in all, e.g. "
-                "tml-$(openssl rand -hex 16)), or keep service.host=127.0.0.1"
-            )
-        return self
-
-
-class RunConfig(_Section):
+class RunConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)

@@ -47,7 +47,8 @@ Other checks across sections: `loss.tis_cap` applies only to ratio losses (not `
 must be at least `trainer.max_seq_len`; `inference.vllm.dtype=float32` is refused on CUDA; a gateway bound off
 loopback needs `inference.publish_token` of 16 or more characters.
 
-The tables below are generated from the pydantic models (`trainer/training/config.py` for the run config,
+The tables below are generated from the pydantic models (`trainer/training/config.py` for the run config, with its
+rollout section in `rollout_config.py` and the launcher's, Tinker's, the service's and pricing in `launch_config.py`;
 `inference/config.py` for the gateway's section) by `python -m trainer config-reference`; the meaning column is each
 field's own description. `tests/unit/test_docs.py` fails when this page differs from the command's output: edit a
 description in the model, then run `.venv/bin/python -m trainer config-reference > docs/configuration.md`.

@@ -229,8 +229,8 @@ def loopback_socket() -> socket.socket:
 def training_service(work: Path) -> Iterator[tuple[str, Any]]:
     """This project's Tinker-protocol service for the tiny model in this process (training only: no gateway), for
     the unmodified tinker SDK; yields its URL and its state (Service: the adapters it holds, by model id)."""
-    from trainer.service.app import build_app
     from trainer.service.policies import MultiLora
+    from trainer.service.routes import build_app
 
     cfg = make_cfg(work / "model", service__output_dir=str(work / "out"))
     app = build_app(cfg, MultiLora(cfg))

@@ -13,7 +13,7 @@ import pytest
 
 from rlcommon.browser_guard import refusal
 from tests.scripted_gateway import ScriptedBackend, client_for, make_adapter, publish_body
-from trainer.service.app import build_app
+from trainer.service.routes import build_app
 from trainer.training.config import RunConfig
 
 JSON = {"content-type": "application/json"}

@@ -166,8 +166,8 @@ def test_the_sdk_reads_back_n_and_n_by_k_logprobs_in_order():
 
 @pytest.fixture(scope="module")
 def service_url(tmp_path_factory) -> Iterator[str]:
-    from trainer.service.app import build_app
     from trainer.service.policies import MultiLora
+    from trainer.service.routes import build_app
 
     cfg = make_cfg(
         tmp_path_factory.mktemp("service"), service__output_dir=str(tmp_path_factory.mktemp("out"))

@@ -6,7 +6,7 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from trainer.service.app import build_app
+from trainer.service.routes import build_app
 from trainer.service.wire import UserError
 from trainer.training.config import RunConfig
 

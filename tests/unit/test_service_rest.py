@@ -36,7 +36,7 @@ def policies(tmp_path_factory) -> Any:
 @contextmanager
 def serve(out: Path, policies: Any, service: list[Any] | None = None) -> Iterator[str]:
     """A service writing under `out` (its Service appended to `service` when given)."""
-    from trainer.service.app import build_app
+    from trainer.service.routes import build_app
 
     cfg = make_cfg(out.parent / "cfg", service__output_dir=str(out), service__max_clients=64)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

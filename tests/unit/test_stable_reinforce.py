@@ -446,8 +446,8 @@ def stand_in_gateway() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def service_url(tmp_path_factory) -> Iterator[str]:
-    from trainer.service.app import build_app
     from trainer.service.policies import MultiLora
+    from trainer.service.routes import build_app
 
     with serve_app(stand_in_gateway(), loopback_socket()) as gateway:
         cfg = make_cfg(

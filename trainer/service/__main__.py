@@ -12,8 +12,8 @@ import sys
 
 import uvicorn
 
-from trainer.service.app import build_app
 from trainer.service.policies import MultiLora
+from trainer.service.routes import build_app
 from trainer.training.config import ConfigError, RunConfig, load_config
 
 

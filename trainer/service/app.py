@@ -1,5 +1,5 @@
-"""The HTTP side of the local Tinker-protocol service: the routes the unmodified tinker SDK calls, its futures, and
-the order of each training client's calls.
+"""The work behind the local Tinker-protocol service's routes (trainer/service/routes.py): the futures the unmodified
+tinker SDK polls, the order of each training client's calls, sessions, models, checkpoints and sampler snapshots.
 
 - Every training call answers its POST at once with a request id; the work runs later and the SDK polls
   `/api/v1/retrieve_future`, which waits up to `service.poll_hold_s` for the result (the SDK re-polls without a

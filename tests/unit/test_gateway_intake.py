@@ -16,7 +16,7 @@ from inference.errors import BackendError
 from inference.http.accounting import LogLimiter
 from inference.http.intake import move_stop_ids
 from inference.policy.registry import Policy, PolicyRegistry
-from inference.samplers.vllm import parse_completion_choices
+from inference.samplers.vllm_answers import parse_completion_choices
 from inference.wire import PolicyStatus, Sample, SamplingRequest
 from tests.scripted_gateway import ScriptedBackend
 

@@ -9,13 +9,11 @@ from pathlib import Path
 import pytest
 
 from inference.config import GatewayConfig, GatewayConfigError, load_gateway_config
+from inference.errors import BackendError
 from inference.policy.registry import ABANDONED, Policy, PolicyRegistry, VersionLedger
 from inference.samplers.lanes import SoloLane
-from inference.samplers.vllm import (
-    BackendError,
-    build_vllm_command,
-    parse_completion_choices,
-)
+from inference.samplers.vllm_answers import parse_completion_choices
+from inference.samplers.vllm_command import build_vllm_command
 from inference.wire import Sample, SamplingRequest
 from tests.scripted_gateway import ScriptedBackend, client_for, make_adapter, publish_body
 from trainer.orchestration.launcher import gateway_section

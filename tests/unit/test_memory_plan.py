@@ -643,7 +643,7 @@ def test_a_vllm_sharing_the_trainers_gpu_gets_the_plans_kv_cache_on_every_start(
     restart beside a trainer holding any amount of memory sizes the same cache. A user's value and a vLLM on a GPU
     of its own are left alone."""
     from inference.config import GatewayConfig
-    from inference.samplers.vllm import build_vllm_command
+    from inference.samplers.vllm_command import build_vllm_command
     from trainer.orchestration.launcher import check_memory, gateway_section
 
     folder = write_model_folder(tmp_path)

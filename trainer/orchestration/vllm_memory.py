@@ -39,7 +39,7 @@ VLLM_GRAPH_BYTES = 8 * 2**20
 @dataclass(frozen=True)
 class VLLMSettings:
     """What the plan reads from the gateway's config, as `python -m inference.config` completes it (every key
-    present); inference.samplers.vllm builds vLLM's argv from the same keys."""
+    present); inference.samplers.vllm_command builds vLLM's argv from the same keys."""
 
     dtype: str
     max_lora_rank: int

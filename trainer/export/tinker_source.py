@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
+from trainer.backends.tinker import STATE_FILE  # what the backend writes into each checkpoint
 from trainer.export.origin import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ExportError, ExportSource, base_model
 
-STATE_FILE = "tinker_state.json"  # trainer/backends/tinker.py writes it into each checkpoint
 DOWNLOADS = "tinker_exports"
 TIMEOUT_S = 300.0
 

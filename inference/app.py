@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
 import math
 import secrets
 import time
+from array import array
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -179,26 +181,30 @@ class Gateway:
         solo: bool = False,
         n: int = 1,
         prompt_ids: list[int] | None = None,
+        group: str | None = None,
     ) -> tuple[Any, Policy]:
         """Run a backend call on the current policy, keeping that policy loaded until the call returns. With the
         client's `request`, the call is cancelled (and vLLM aborts its work) when the client goes away; `solo`
         runs it alone in the engine (inference/samplers/lanes.py). A route that knows its prompt's token ids
         before sampling passes them as `prompt_ids`: a prompt that continues an episode (it starts with a turn the
         ledger recorded) passes the on-policy gate and its quota and is sampled on the version that sampled that
-        turn while it is loaded (inference/policy/gate.py)."""
+        turn while it is loaded (inference/policy/gate.py). `group` names the prompt (group_key; token ids name
+        their own), so that a group asked for one rollout at a time is admitted whole."""
         check_backend_up(self.backend)
         episode = None if prompt_ids is None else await self.episode_of(prompt_ids)
+        env = None if request is None else request_env(request)
         if episode is not None:
             self.gate.admit_continuation()
         else:
-            env = None if request is None else request_env(request)
+            if group is None and prompt_ids is not None:
+                group = group_key(prompt_ids)
             await (
-                self.gate.wait(n, env)
+                self.gate.wait(n, env, group)
                 if request is None
-                else until_disconnect(request, self.gate.wait(n, env))
+                else until_disconnect(request, self.gate.wait(n, env, group))
             )
         async with self.lane.enter(solo):
-            return await self._run_on_policy(coro_fn, request, episode)
+            return await self._run_on_policy(coro_fn, request, episode, env)
 
     async def episode_of(self, prompt_ids: list[int]) -> Recorded | None:
         """The episode turn `prompt_ids` continue (VersionLedger.continued). A long prompt is matched in the body
@@ -209,19 +215,20 @@ class Gateway:
         return await in_body_thread(self.ledger.continued, prompt_ids)
 
     async def _run_on_policy(
-        self, coro_fn: Any, request: Request | None, episode: Recorded | None
+        self, coro_fn: Any, request: Request | None, episode: Recorded | None, env: str | None
     ) -> tuple[Any, Policy]:
         # Chosen now, after any wait for the lane: the episode's version may have been unloaded meanwhile.
         policy = self.registry.acquire(episode)
         if episode is not None and not episode.sampled_by(policy):
             self.continuations_moved += 1  # its episode's version is gone: sampled on the current one
+        self.gate.request_started(env)
         try:
             if request is None:
                 return await coro_fn(policy), policy
             return await until_disconnect(request, coro_fn(policy)), policy
         finally:
             self.registry.release(policy)
-            self.gate.request_done()
+            self.gate.request_done(env)
             if self.registry.removable():
                 asyncio.get_running_loop().create_task(self.unload_stale())
 
@@ -464,6 +471,7 @@ async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse
         scores_prompt(body),
         requested_sequences(body),
         token_prompt(body) if path == "/v1/completions" else None,
+        group_key(body["messages"] if "messages" in body else body.get("prompt")),
     )
     for choice in result.get("choices", []):
         prompt_ids = choice.get("prompt_token_ids") or result.get("prompt_token_ids")
@@ -471,6 +479,16 @@ async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse
             gw.record(list(prompt_ids), list(choice["token_ids"]), policy)
     result["policy_version"] = policy.version
     return respond(result, policy)
+
+
+def group_key(prompt: Any) -> str:
+    """A prompt's identity for the gate's whole-group admission: the samples of one group share their prompt
+    (token ids, checked already, or a chat's messages)."""
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        data = array("q", prompt).tobytes()
+    else:
+        data = json.dumps(prompt, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def token_prompt(body: dict[str, Any]) -> list[int] | None:
@@ -538,7 +556,9 @@ def policy_routes(gw: Gateway) -> APIRouter:
             req = ExpectRequest.model_validate(await json_object(request))
         except ValidationError as exc:
             raise BackendError(400, validation_message(exc)) from exc
-        changed = gw.gate.set_quota(req.quota, req.refill_s, req.env_quotas, req.hold_s, req.lead)
+        changed = gw.gate.set_quota(
+            req.quota, req.refill_s, req.env_quotas, req.hold_s, req.lead, req.group_size, req.env_group_sizes
+        )
         if req.version > registry.current.version:
             gw.gate.close(req.version, req.hold_s)
             return ExpectResponse(holding_for=req.version)
@@ -598,6 +618,7 @@ def policy_routes(gw: Gateway) -> APIRouter:
             gate_refills_total=gw.gate.refills_total,
             gate_carried_total=gw.gate.carried_total,
             gate_continuations_total=gw.gate.continuations_total,
+            gate_group_passes_total=gw.gate.group_passes_total,
             continuations_moved_total=gw.continuations_moved,
             gate_started_by_env=gw.gate.started_by_env(),
         )

@@ -355,6 +355,18 @@ class ExpectRequest(BaseModel):
         "a request is the environment its bearer key names (rlcommon/envkeys.py), others count against `quota`",
     )
     refill_s: Annotated[Finite, Field(gt=0, le=600)] = 1.0
+    group_size: StrictInt | None = Field(
+        None,
+        ge=1,
+        le=2**20,
+        description="samples per prompt: the first request of a prompt on a version reserves this many against "
+        "`quota`, and the prompt's further requests pass until they are used (a group asked for one rollout at a "
+        "time starts whole on one version)",
+    )
+    env_group_sizes: (
+        Annotated[dict[EnvName, Annotated[StrictInt, Field(ge=1, le=2**20)]], Field(max_length=MAX_ENVS)]
+        | None
+    ) = Field(None, description="a mixed run: `group_size` of each environment of `env_quotas`")
     lead: StrictInt = Field(
         0,
         ge=0,
@@ -438,6 +450,7 @@ class PolicyStatus(BaseModel):
         0  # sequences taken off a version's quota for what the one before started beyond it
     )
     gate_continuations_total: int = 0  # episode turns let through as continuations (inference/policy/gate.py)
+    gate_group_passes_total: int = 0  # requests let through as the rest of a group admitted on their version
     continuations_moved_total: int = 0  # of those, sampled on the current version: their episode's was gone
     # Sequences started on the current version by each environment its bearer key named (rlcommon/envkeys.py), and
     # by requests naming none ("" key); a mixed run's quota holds each named one to its share.

@@ -29,6 +29,19 @@ as stale at max_staleness 0).
   the quota: the episode was admitted with its first turn. Held at a closed gate, its later turns would be sampled
   by the next version, and the trainer counts an episode as its oldest turn's version: stale as a whole at
   max_staleness 0. Counted against the quota, a 3-turn episode would take three of a batch's sequences.
+- **Whole groups.** A group is `group_size` samples of one prompt. Atropos's ManagedServer asks for them in one
+  request (n = group_size); verifiers asks once per rollout (n = 1, the same prompt each time). Admitted request by
+  request, the quota's last group would start partly on this version and partly on the next: mixed, it is stale as a
+  whole at max_staleness 0, and so is the next version's last group (measured: 8 sequences per environment dropped at
+  every step of a verifiers run). So the first request of a prompt (its group key) on a version reserves the whole
+  group (max(n, group_size) against the quota) and the group's further requests pass at once, closed gate or not,
+  until the group's size is used up. Prompts alike in every group (one fixed prompt) share that reservation.
+- **A refill waits for quiet.** Between two turns of an episode nothing of its environment runs, yet the
+  environment is busy, not short: refilled then, it starts a group beyond its share on the version, which lands in
+  the next batch as stale, and the refill that the next wait brings does the same again (measured: one 3-turn group
+  dropped at every step from the first such refill on). So an environment is refilled (and the timed refill lets
+  unnamed requests through) only once none of its requests has run for `refill_s`. An environment whose episodes
+  pause longer than that between turns (a slow tool) needs a larger refill_s.
 
 Pure asyncio, no I/O.
 """
@@ -43,6 +56,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger("inference.gate")
 MAX_SEEN_ENVS = 256  # environment names counted for GET /policy: a client naming endless ones grows nothing
+MAX_GROUPS = 65536  # groups reserved on one version: past it, a group's further requests wait as any would
 DEADLINE_LOG_EVERY_S = 30.0
 DEFAULT_HOLD_S = (
     120.0  # a request's longest wait before the trainer has said otherwise (publish.gate_hold_s's default)
@@ -100,6 +114,16 @@ class Gate:
             0  # requests let through on the current version because their hold_s ran out
         )
         self._deadline_logged_at = float("-inf")
+        # Groups admitted on the current version: (environment, group key) -> samples still reserved for them.
+        self.group_size: int | None = None  # of requests naming no environment of env_quotas
+        self.env_group_sizes: dict[str, int] = {}
+        self._groups: dict[tuple[str | None, str], int] = {}
+        self.group_passes_total = 0  # requests let through as the rest of a group admitted on their version
+        self.openings = 0  # versions opened (each starts its quotas and group reservations afresh)
+        # Requests running now and when one last started or ended, by environment (None: unnamed, or past
+        # MAX_SEEN_ENVS): what tells a refill whether an environment is quiet (module docstring).
+        self._busy: dict[str | None, int] = {}
+        self._last_active: dict[str | None, float] = {}
 
     @property
     def waiting_for(self) -> int | None:
@@ -121,13 +145,16 @@ class Gate:
         env_quotas: dict[str, int] | None = None,
         hold_s: float | None = None,
         lead: int = 0,
+        group_size: int | None = None,
+        env_group_sizes: dict[str, int] | None = None,
     ) -> bool:
         """From the next opening on, allow `sequences` per version (None: no quota), and each environment of
         `env_quotas` its own number; requests arriving from now on wait at most `hold_s` (None: as before).
         `lead` (without the gate, rollout.max_staleness): the first version opened under new quotas allows 1 + lead
         times as many, so environments sample the next batch while the trainer trains on this one; each version
-        after starts one batch, which the trainer takes `lead` versions later. Returns whether the quotas differ
-        from those set before."""
+        after starts one batch, which the trainer takes `lead` versions later. `group_size` (per environment:
+        `env_group_sizes`) is what the first request of a prompt reserves (module docstring: whole groups).
+        Returns whether the quotas differ from those set before."""
         quotas = dict(env_quotas or {}) if sequences is not None else {}
         changed = (sequences, quotas, lead) != (self.quota, self.env_quotas, self.lead)
         self.quota, self.refill_s, self.env_quotas, self.lead = sequences, refill_s, quotas, lead
@@ -135,6 +162,7 @@ class Gate:
             self._lead_pending = lead
         if hold_s is not None:
             self.hold_s = hold_s
+        self.group_size, self.env_group_sizes = group_size, dict(env_group_sizes or {})
         return changed
 
     def close(self, version: int, hold_s: float) -> None:
@@ -190,6 +218,8 @@ class Gate:
         self._started_env = dict.fromkeys(self.env_quotas, 0)
         self.carried_total += sum(carry_env.values()) if carry_env else carry
         self._seen_env = {}
+        self._groups = {}
+        self.openings += 1
         spell = None
         if self._waiting_for is not None:
             closed_s = time.monotonic() - self._closed_at
@@ -222,11 +252,38 @@ class Gate:
         if env in self._started_env:
             self._started_env[env] += n
 
-    async def wait(self, n: int = 1, env: str | None = None) -> float:
+    def _cost(self, n: int, env: str | None, group: str | None) -> int:
+        """What a request that starts a group takes off the quota: the whole group (module docstring)."""
+        if group is None or self._allowed is None:
+            return n
+        size = self.env_group_sizes.get(env, self.group_size) if env in self._allowed_env else self.group_size
+        return max(n, size or n)
+
+    def _in_group(self, n: int, env: str | None, group: str | None) -> bool:
+        """Whether a group admitted on this version still holds `n` samples for this request."""
+        return group is not None and self._groups.get((env, group), 0) >= n
+
+    def _admit(self, n: int, env: str | None, group: str | None) -> None:
+        if self._in_group(n, env, group):
+            assert group is not None
+            self._groups[(env, group)] -= n
+            self.group_passes_total += 1
+            return
+        cost = self._cost(n, env, group)
+        self._start(cost, env)
+        if group is not None and cost > n and len(self._groups) < MAX_GROUPS:
+            self._groups[(env, group)] = self._groups.get((env, group), 0) + cost - n
+            if self._holding_now:  # the group's other requests may be waiting already: they may go now
+                self._wake()
+
+    def _may_start(self, n: int, env: str | None, group: str | None) -> bool:
+        return self._in_group(n, env, group) or self._passable(self._cost(n, env, group), env)
+
+    async def wait(self, n: int = 1, env: str | None = None, group: str | None = None) -> float:
         """Return once a request for `n` sequences from environment `env` (None: not named) may start; the
-        seconds it was held."""
-        if self._passable(n, env):
-            self._start(n, env)
+        seconds it was held. `group` names the prompt it samples (module docstring: whole groups)."""
+        if self._may_start(n, env, group):
+            self._admit(n, env, group)
             return 0.0
         started = time.monotonic()
         deadline = started + self.hold_s
@@ -243,19 +300,19 @@ class Gate:
         )
         try:
             async with self._cond:
-                while not self._passable(n, env):
+                while not self._may_start(n, env, group):
                     # Held by the quota, not (or no longer) by a closed gate: counted as over it, which lets the
                     # refill see it. A request held by the closed gate counts from the opening on, where the new
                     # version's quota (less a carry) may hold it too; uncounted, no refill would ever come.
                     if counted is None and self._waiting_for is None:
                         counted = (env if env in self._allowed_env else None, n)
                         self._count_over(*counted)
-                        self.request_done()  # nothing may be running to end and trigger the refill
+                        self._arm_refill()  # nothing may be running to end and arm it
                     if time.monotonic() >= deadline:
                         self._pass_by_deadline(n, env)
                         break
                     await self._cond.wait()
-                self._start(n, env)
+                self._admit(n, env, group)
         finally:
             alarm.cancel()
             self._holding_now -= 1
@@ -293,10 +350,36 @@ class Gate:
         self.continuations_total += 1
         self._continued += 1 if self._waiting_for is not None else 0
 
-    def request_done(self) -> None:
+    def _activity_key(self, env: str | None) -> str | None:
+        if env in self._busy or len(self._busy) < MAX_SEEN_ENVS:
+            return env
+        return None
+
+    def request_started(self, env: str | None = None) -> None:
+        """Called when a request (a first turn or a continuation) starts running, paired with request_done."""
+        key = self._activity_key(env)
+        self._busy[key] = self._busy.get(key, 0) + 1
+        self._last_active[key] = time.monotonic()
+
+    def _quiet_s(self, env: str | None = None, every: bool = False) -> float:
+        """How long nothing of `env` (`every`: of any environment) has run; 0.0 while something runs."""
+        keys = list(self._busy) if every else [self._activity_key(env)]
+        if any(self._busy.get(k, 0) > 0 for k in keys):
+            return 0.0
+        last = max((self._last_active.get(k, float("-inf")) for k in keys), default=float("-inf"))
+        return time.monotonic() - last
+
+    def request_done(self, env: str | None = None) -> None:
         """Called when a request ends: with nothing left running on the current version while requests wait over
         the quota, the environment is short of a batch (it discarded groups); give the trainer `refill_s` to take
-        one, then let the held requests through on the current version."""
+        one, then, if nothing has run meanwhile, let the held requests through on the current version."""
+        key = self._activity_key(env)
+        if self._busy.get(key, 0) > 0:
+            self._busy[key] -= 1
+            self._last_active[key] = time.monotonic()
+        self._arm_refill()
+
+    def _arm_refill(self) -> None:
         if self._waiting_for is not None or not self._over_quota or self._refill is not None:
             return
         if self._running_on_current():
@@ -311,23 +394,36 @@ class Gate:
             return
         if self._running_on_current():  # a request started meanwhile (one smaller than the quota's rest)
             return
+        quiet = self._quiet_s(every=True)
+        if quiet < self.refill_s:  # an episode between two turns: its next turn is coming (module docstring)
+            wait = self.refill_s - quiet if quiet > 0 else self.refill_s
+            self._refill = asyncio.get_running_loop().call_later(wait, self._do_refill)
+            return
         self.refills_total += 1
         self._allowed = self._started + unnamed
         self._wake()
 
     def refill_envs(self, short: dict[str, int]) -> list[str]:
         """The trainer waits for a batch that these environments are short of (sequences, from run-api's queue):
-        when nothing runs on the current version, let what each of them holds over its quota through on it (the
-        surplus comes off the next version: open). Returns those refilled."""
-        if self._waiting_for is not None or self._running_on_current():
+        let what each of them holds over its quota through on the current version, up to the whole groups it lacks,
+        once none of its requests has run for refill_s (any surplus comes off the next version: open). Returns those
+        refilled."""
+        if self._waiting_for is not None:
             return []
         refilled = [
             env
             for env, n in short.items()
-            if n > 0 and env in self._allowed_env and self._over_env.get(env, 0)
+            if n > 0
+            and env in self._allowed_env
+            and self._over_env.get(env, 0)
+            and self._quiet_s(env) >= self.refill_s
         ]
         for env in refilled:
-            self._allowed_env[env] = self._started_env[env] + self._over_env[env]
+            # As many whole groups as the batch lacks: the environment's further held groups would start on this
+            # version beyond its share, queued past the batch and stale in the next one.
+            size = self.env_group_sizes.get(env) or 1
+            lacking = -(-short[env] // size) * size
+            self._allowed_env[env] = self._started_env[env] + min(self._over_env[env], lacking)
         if refilled:
             self.refills_total += 1
             self._wake()

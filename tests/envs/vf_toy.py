@@ -73,7 +73,10 @@ def load_environment(
         ]
         return sum(rewards) / len(rewards) if rewards else 0.0
 
-    dataset = Dataset.from_list([{"question": p, "answer": ""} for p in PROMPTS])
+    # Numbered, as a real dataset's rows are distinct: groups sampled at once never share a prompt (the gateway's
+    # on-policy gate admits a prompt's rollouts as one group).
+    rows = [f"{p} ({i})" for i in range(8) for p in PROMPTS]
+    dataset = Dataset.from_list([{"question": p, "answer": ""} for p in rows])
     eval_dataset = Dataset.from_list([{"question": p, "answer": ""} for p in EVAL_PROMPTS])
     rubric = vf.Rubric(funcs=[sampled_share])
     if turns > 1:

@@ -77,18 +77,21 @@ def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_o
         assert sum(r.get(f"rollouts/{key}", 0) for r in rows) == 0, key
     for env in ("single", "multi", "tool"):
         assert sum(r.get(f"rollouts/{env}/sequences_trained", 0) for r in rows) > 0, env
-    # How many 3-turn episodes span a publish (dropped as stale) varies from run to run: 16 of 480 sequences in one,
-    # 104 of 472 in another. Issue 40 asks for at most 10%; the product does not hold that yet, so it is printed.
+    # The 3-turn environment's episodes start whole on one version (the gate admits a prompt's rollouts as one
+    # group), and its refill waits out the pauses between turns: at most a tenth of what it sends is stale.
     multi = {
         k: sum(r.get(f"rollouts/multi/sequences_{k}", 0) for r in rows) for k in ("received", "dropped_stale")
     }
     print(f"3-turn environment: {multi}")
+    assert multi["dropped_stale"] <= 0.1 * multi["received"], multi
     # The real client's later turns are recognised by the gateway as continuations of the turns it sampled: that is
     # what lets them pass the closed on-policy gate and its quota on their episode's version (the gate's side is
     # tests/unit/test_gate_continuations.py). Whether one arrives while the gate is closed is a matter of timing on
     # this box (0 of 21 spells once), so the spells' own count is not asserted here.
     continued = max(r.get("gateway/continuations_total") or 0 for r in rows)
     assert continued > 0, [r.get("gateway/continuations_total") for r in rows]
+    # verifiers asks once per rollout: the gate admits a group's later rollouts with its first (whole groups).
+    assert max(r.get("gateway/group_passes_total") or 0 for r in rows) > 0
     # The runner's own report of its turns (no metric carries them): token-in, and no earlier turn left out.
     multi_log = (run_dir / "logs" / "env-multi.log").read_text()
     assert "turns after the first are sent as token ids" in multi_log

@@ -167,6 +167,19 @@ def test_run_api_composes_each_batch_by_share(run_api: TestClient):
     ]
 
 
+def test_a_batch_waits_for_each_environments_whole_share_not_just_one_of_its_groups(run_api: TestClient):
+    """atroposlib alone forms the batch once each environment has a group queued and fills the rest in queue
+    order: here a's extra group would take the place of b's second, left over (and stale) for the next batch."""
+    a, b = register(run_api, "a-0", 0.5), register(run_api, "b-0", 0.5)
+    send(run_api, a, 3)  # a's share and an extra group (a refill after a discarded one)
+    send(run_api, b, 1)  # b's episodes are longer: one of its two groups so far
+    assert batch_env_ids(run_api) is None
+    send(run_api, b, 1)
+    assert batch_env_ids(run_api) == [a, a, b, b]
+    queued = {e["name"]: e["queued_sequences"] for e in run_api.get("/envs").json()["envs"]}
+    assert queued == {"a-0": 4, "b-0": 0}
+
+
 def test_a_restarted_environment_replaces_its_dead_registration(run_api: TestClient):
     a, b = register(run_api, "a-0", 0.75), register(run_api, "b-0", 0.25)
     send(run_api, a, 3)
@@ -282,13 +295,14 @@ def test_a_mixed_run_gives_the_gate_each_environments_share(monkeypatch):
             asked.append(args)
 
     loop._close_gate(mixed("rollout.max_staleness=0"), Gateway(), 3)  # type: ignore[arg-type]
-    assert asked[-1][4:] == ({"toy": 48, "residue": 16}, 0, False)  # run-api's allotments (env_share_lines)
+    assert asked[-1][4:7] == ({"toy": 48, "residue": 16}, 0, False)  # run-api's allotments (env_share_lines)
+    assert asked[-1][7:] == (8, {"toy": 8, "residue": 8})  # what a prompt's first request reserves
     uneven = f"rollout.envs=[{{env: toy, weight: 2}}, {{env: {RESIDUE}, name: residue, weight: 1}}]"
     loop._close_gate(mixed(uneven, "rollout.max_staleness=0"), Gateway(), 3)  # type: ignore[arg-type]
     assert asked[-1][4] == {"toy": 48, "residue": 24}  # 42.7 and 21.3 sequences, up to whole groups of 8
     # Without the gate (max_staleness 1) the environments may sample one batch ahead while the trainer trains.
     loop._close_gate(mixed("rollout.max_staleness=1"), Gateway(), 3, batch_taken=True)  # type: ignore[arg-type]
-    assert asked[-1][4:] == ({"toy": 48, "residue": 16}, 1, True)
+    assert asked[-1][4:7] == ({"toy": 48, "residue": 16}, 1, True)
     loop._close_gate(mixed("publish.gate_quota=false"), Gateway(), 3)  # type: ignore[arg-type]
     assert asked[-1][2] is None and asked[-1][4] is None
     loop._close_gate(load_config(RunConfig, None, BASE), Gateway(), 3)  # type: ignore[arg-type]

@@ -205,6 +205,71 @@ async def test_quota_holds_the_next_batch_for_the_next_version_and_refills_when_
     assert short.done() and gate.refills_total == 1
 
 
+async def test_the_timed_refill_waits_out_an_episode_between_two_turns():
+    """A 3-turn episode has nothing running between its turns; refilled in such a gap, the environment would start
+    a group beyond its share, stale in the next batch. The refill comes only after refill_s with nothing run."""
+    running = {"n": 0}
+    gate = Gate(lambda: running["n"])
+    gate.set_quota(8, refill_s=0.2)
+    gate.open()
+    assert await gate.wait(8, "multi") == 0.0  # the episodes' first turns: the whole quota
+    gate.request_started("multi")
+    held = asyncio.create_task(gate.wait(8, "multi"))  # the next group, early
+    await asyncio.sleep(0.05)
+    for _ in range(4):  # turn after turn, each gap shorter than refill_s
+        gate.request_done("multi")
+        await asyncio.sleep(0.1)
+        assert not held.done() and gate.refills_total == 0
+        gate.request_started("multi")
+    gate.request_done("multi")  # the episodes ended (and their group was discarded): quiet from now on
+    await asyncio.sleep(0.15)
+    assert not held.done()
+    await asyncio.sleep(0.25)
+    assert held.done() and gate.refills_total == 1
+
+
+async def test_a_group_asked_for_one_rollout_at_a_time_starts_whole_on_one_version():
+    """verifiers asks once per rollout: admitted request by request, the quota's last group would start partly on
+    this version and partly on the next, and be stale as a whole. The first request of a prompt reserves its group."""
+    gate = Gate()
+    gate.set_quota(8, refill_s=30, group_size=4)
+    gate.open()
+    # Three groups' first rollouts arrive interleaved, as concurrent rollouts do.
+    assert await gate.wait(1, None, "A") == 0.0 and await gate.wait(1, None, "B") == 0.0  # 2 x 4 reserved
+    held_c = [asyncio.create_task(gate.wait(1, None, "C")) for _ in range(4)]
+    for _ in range(3):
+        assert await gate.wait(1, None, "A") == 0.0 and await gate.wait(1, None, "B") == 0.0
+    late_a = asyncio.create_task(gate.wait(1, None, "A"))  # a fifth sample of A: past its group, a new group
+    await asyncio.sleep(0.05)
+    assert not any(t.done() for t in held_c) and not late_a.done() and gate.group_passes_total == 6
+    gate.close(2, hold_s=30)
+    gate.open()
+    await asyncio.gather(*held_c, late_a)
+    assert gate.started_by_env() == {"": 8}  # C's group and A's fifth sample (a new group of 4)
+    # A request for a whole group (ManagedServer's n = group_size) reserves nothing more.
+    gate.close(3, hold_s=30)
+    gate.open()
+    assert await gate.wait(4, None, "D") == 0.0 and await gate.wait(4, None, "E") == 0.0
+    more_d = asyncio.create_task(gate.wait(1, None, "D"))
+    await asyncio.sleep(0.05)
+    assert not more_d.done()
+    more_d.cancel()
+
+
+async def test_the_rest_of_a_group_passes_the_closed_gate_on_its_version():
+    gate = Gate()
+    gate.set_quota(8, refill_s=30, env_quotas={"multi": 8}, env_group_sizes={"multi": 4})
+    gate.open()
+    assert await gate.wait(1, "multi", "A") == 0.0
+    gate.close(2, hold_s=30)  # the trainer took its batch meanwhile
+    assert await gate.wait(1, "multi", "A") == 0.0  # A's rest, on A's version: split, A would be stale
+    fresh = asyncio.create_task(gate.wait(1, "multi", "B"))
+    await asyncio.sleep(0.05)
+    assert not fresh.done()
+    gate.open()
+    assert await fresh > 0
+
+
 async def test_a_request_larger_than_the_quota_still_starts_on_a_fresh_version():
     gate = Gate()
     gate.set_quota(4, refill_s=1.0)
@@ -253,15 +318,20 @@ async def test_each_environment_of_a_mixed_run_starts_only_its_own_share_per_ver
     await asyncio.sleep(0.05)
     assert not late_residue.done()
     # Short of its share (a discarded group): the timed refill leaves named environments to the trainer, which
-    # reads run-api's queue and names the one that is short; nothing may be running on the version then.
+    # reads run-api's queue and names the one that is short; none of that environment's requests may have run
+    # for refill_s then (between two turns of an episode it is busy, not short).
     gate.request_done()
     await asyncio.sleep(0.35)
     assert not late_residue.done() and gate.refills_total == 0
-    running["n"] = 1
-    assert gate.refill_envs({"residue": 4}) == []
-    running["n"] = 0
+    gate.request_started("residue")
+    assert gate.refill_envs({"residue": 4}) == []  # running
+    gate.request_done("residue")
+    assert gate.refill_envs({"residue": 4}) == []  # just ended: its next turn may be coming
+    gate.request_started("toy")  # another environment's requests do not hold residue's refill back
+    await asyncio.sleep(0.25)
     assert gate.refill_envs({"toy": 8, "nobody": 8}) == []  # toy holds nothing over its quota
     assert gate.refill_envs({"residue": 4}) == ["residue"]
+    gate.request_done("toy")
     assert await late_residue > 0 and gate.refills_total == 1
     # A quota without environments, or env_quotas without a quota, is the batch's alone.
     gate.set_quota(None, refill_s=0.2, env_quotas={"toy": 4})
@@ -280,7 +350,12 @@ async def test_what_a_refill_started_beyond_the_quota_comes_off_the_next_version
         assert await gate.wait(n, env) == 0.0
     extra = [asyncio.create_task(gate.wait(4, env)) for env in ("toy", "toy", "residue")]
     await asyncio.sleep(0.05)
-    assert gate.refill_envs({"toy": 4, "residue": 4}) == ["toy", "residue"]  # each lets through all it holds
+    assert gate.refill_envs({"toy": 4, "residue": 4}) == ["toy", "residue"]  # the whole groups each lacks
+    await asyncio.sleep(0.05)
+    assert sum(t.done() for t in extra) == 2 and gate.started_by_env() == {"toy": 16, "residue": 8, "": 0}
+    # The trainer read run-api's queue just before a slow scorer's groups arrived: it asks again, and toy's other
+    # held group starts beyond the share too.
+    assert gate.refill_envs({"toy": 4}) == ["toy"]
     await asyncio.sleep(0.05)
     assert all(t.done() for t in extra) and gate.started_by_env() == {"toy": 20, "residue": 8, "": 0}
     gate.close(2, hold_s=30)
@@ -344,7 +419,7 @@ async def test_a_request_held_by_the_closed_gate_and_then_by_the_quota_is_refill
 
 async def test_the_gateway_tells_environments_apart_by_their_bearer_key(tmp_path):
     client, _ = client_for(ScriptedBackend())
-    quotas = {"version": 0, "quota": 4, "refill_s": 30, "env_quotas": {"a": 2, "b": 2}}
+    quotas = {"version": 0, "quota": 4, "refill_s": 0.3, "env_quotas": {"a": 2, "b": 2}}
     body = {"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 4, "n": 2}
 
     def key(name: str) -> dict[str, str]:
@@ -411,7 +486,7 @@ async def test_without_the_gate_each_publish_opens_a_fresh_share_and_resent_quot
 async def test_the_trainer_refills_a_short_environment_through_the_gateway():
     client, _ = client_for(ScriptedBackend(), publish_token="s3cret")
     owner = {"Authorization": "Bearer s3cret"}
-    quotas = {"version": 0, "quota": 4, "refill_s": 30, "env_quotas": {"a": 2, "b": 2}}
+    quotas = {"version": 0, "quota": 4, "refill_s": 0.3, "env_quotas": {"a": 2, "b": 2}}
     body = {"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 4, "n": 2}
     async with client:
         assert (await client.post("/policy/expect", json=quotas, headers=owner)).status_code == 200
@@ -421,7 +496,7 @@ async def test_the_trainer_refills_a_short_environment_through_the_gateway():
         held = asyncio.create_task(
             client.post("/generate", json=body, headers={"Authorization": "Bearer rl-env:a"})
         )
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.4)  # a's first request ended refill_s ago: a is quiet, not between two turns
         assert (await client.post("/policy/refill", json={"short": {"a": 2}})).status_code == 401
         for bad in ({}, {"short": {}}, {"short": {"a": -1}}, {"short": {"a": 2}, "x": 1}, {"short": [2]}):
             r = await client.post("/policy/refill", json=bad, headers=owner)

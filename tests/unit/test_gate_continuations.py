@@ -272,3 +272,25 @@ async def test_a_version_an_episode_takes_during_a_cleanup_is_not_unloaded_under
             if len(backend.unloaded) == 2:
                 break
         assert backend.unloaded == ["policy-v1", "policy-v2"]
+
+
+async def test_a_chat_group_asked_for_one_rollout_at_a_time_is_admitted_whole():
+    """verifiers' way: group_size requests of n = 1 with the same messages. The first reserves the group; the rest
+    pass, and another prompt waits for the next version once the quota is reserved."""
+    client, _ = client_for(EchoBackend())
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    other = {**chat, "messages": [{"role": "user", "content": "bye"}]}
+    async with client:
+        quota = {"version": 0, "quota": 4, "group_size": 4, "refill_s": 30}
+        assert (await client.post("/policy/expect", json=quota)).status_code == 200
+        first = [asyncio.create_task(client.post("/v1/chat/completions", json=chat)) for _ in range(2)]
+        later = asyncio.create_task(client.post("/v1/chat/completions", json=other))
+        first += [asyncio.create_task(client.post("/v1/chat/completions", json=chat)) for _ in range(2)]
+        assert [(await asyncio.wait_for(t, 5)).status_code for t in first] == [200] * 4
+        await asyncio.sleep(0.1)
+        assert not later.done()
+        assert (await status(client))["gate_group_passes_total"] == 3
+        await client.post(
+            "/policy/expect", json={"version": 0, "quota": 4, "group_size": 4, "batch_taken": True}
+        )
+        assert (await asyncio.wait_for(later, 5)).status_code == 200

@@ -11,9 +11,11 @@
   /disconnect-env), and with min_batch_allocation a connected environment with nothing queued holds every batch:
   without this, one environment's crash would stall the whole run.
 
-- `GET /batch`, when the trainer has waited `RUN_API_MIX_WAIT_S` seconds (the launcher passes rollout.mix_wait_s)
-  for a batch that one environment's minimum share holds back (it sends nothing: slow, stopped, restarting), forms
-  it without that environment's minimum: the others fill it, or, as each caps what it queues at its own share,
+- `GET /batch` forms a batch only once every connected environment has its whole minimum share queued
+  (atroposlib's own forms it once each has a group, and fills the rest in queue order). Then, when the trainer has
+  waited `RUN_API_MIX_WAIT_S` seconds (the launcher passes rollout.mix_wait_s) for a batch that one environment's
+  minimum share holds back (it sends too little: slow, stopped, restarting), it forms the batch without that
+  environment's minimum: the others fill it, or, as each caps what it queues at its own share,
   what they have queued makes a short batch. What each environment fell short of its share is counted in
   `GET /envs` (`short_batches`, `shortfall_sequences`), which the trainer records per environment.
 
@@ -95,19 +97,33 @@ def needed(env: dict[str, Any], batch_size: int) -> int:
     return int(batch_size * env["min_batch_allocation"])
 
 
+def short_of_minimum(state: Any) -> list[dict[str, Any]]:
+    """The connected environments with fewer sequences queued than their minimum share of a batch; none when the
+    minimums add up to more than a batch (atroposlib scales them down then)."""
+    with_minimum = [
+        e for e in registered(state) if e["connected"] and e.get("min_batch_allocation") is not None
+    ]
+    if sum(needed(e, state.batchsize) for e in with_minimum) > state.batchsize:
+        return []
+    queued = queued_by_env(state)
+    return [e for e in with_minimum if queued.get(e["registered_id"], 0) < needed(e, state.batchsize)]
+
+
 async def get_batch() -> dict[str, Any]:
-    """atroposlib's /batch; past MIX_WAIT_S of waiting, without the minimum of each environment short of it."""
+    """atroposlib's /batch once every environment has its minimum share queued; past MIX_WAIT_S of waiting,
+    without the minimum of each environment short of it. atroposlib alone forms a batch as soon as each environment
+    has one group queued and fills the rest in queue order: another environment's extra group (one a refill started
+    for a discarded group) then takes the place of a slow environment's second group, which is left over for the next
+    batch, stale there at max_staleness 0, and so on at every step."""
     global waiting_since
     state, now = app.state, time.monotonic()
     relaxed: list[dict[str, Any]] = []
     if getattr(state, "started", False) and not state.curr_batch:
         waiting_since = waiting_since if waiting_since is not None else now
-        if now - waiting_since > MIX_WAIT_S:
-            queued = queued_by_env(state)
-            for e in registered(state):
-                if e["connected"] and e.get("min_batch_allocation") is not None:
-                    if queued.get(e["registered_id"], 0) < needed(e, state.batchsize):
-                        relaxed.append(e)
+        lacking = short_of_minimum(state)
+        if lacking and now - waiting_since <= MIX_WAIT_S:
+            return {"batch": None}
+        relaxed = lacking
     before = len(getattr(state, "curr_batch", []))
     saved = [e["min_batch_allocation"] for e in relaxed]
     for e in relaxed:

@@ -217,9 +217,10 @@ class PublishConfig(Section):
         1.0,
         gt=0,
         le=600,
-        description="requests held over the quota go through on the current version once nothing runs on it and "
-        "no batch was taken for this long (an environment that discarded groups needs more than a batch); in a "
-        "mixed run the trainer then names the environments short of their share",
+        description="requests held over the quota go through on the current version once nothing has run for "
+        "this long and no batch was taken (an environment that discarded groups needs more than a batch); in a "
+        "mixed run the trainer then names the environments short of their share. Raise it above the longest pause "
+        "between two turns of a multi-turn environment (a slow tool call)",
     )
     overlap: bool = Field(
         True,

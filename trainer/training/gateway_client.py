@@ -92,10 +92,13 @@ class GatewayClient:
         env_quotas: dict[str, int] | None = None,
         lead: int = 0,
         batch_taken: bool = False,
+        group_size: int | None = None,
+        env_group_sizes: dict[str, int] | None = None,
     ) -> ExpectResponse:
         """Close the on-policy gate until `version` is published (or open it: a version not newer than the
         current one); `quota` sequences per version from then on, `env_quotas` of them per environment of a mixed
-        run (inference/policy/gate.py)."""
+        run (inference/policy/gate.py), each prompt's first request reserving its group (`group_size`, per
+        environment `env_group_sizes`)."""
         body = ExpectRequest(
             version=version,
             hold_s=hold_s,
@@ -104,6 +107,8 @@ class GatewayClient:
             env_quotas=env_quotas,
             lead=lead,
             batch_taken=batch_taken,
+            group_size=group_size,
+            env_group_sizes=env_group_sizes,
         ).model_dump()
         return ExpectResponse.model_validate(self._post("/policy/expect", body))
 

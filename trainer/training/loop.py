@@ -178,6 +178,8 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
             # Episode turns the gateway recognised as continuing an earlier turn (a multi-turn environment's later
             # turns, token-in): 0 in such a run means its turns reach the trainer as unrelated prompts.
             pending.row["gateway/continuations_total"] = float(served.gate_continuations_total)
+            # Rollouts of a group asked for one at a time that the gate admitted with their group (verifiers).
+            pending.row["gateway/group_passes_total"] = float(served.gate_group_passes_total)
             if cfg.rollout.envs:
                 pending.row.update(api.shortfalls())
             if topped is not None:
@@ -208,8 +210,17 @@ def _close_gate(
     env_quotas = env_shares(cfg) if quota else None
     # Without the gate, environments sample a batch ahead (within max_staleness) while the trainer trains.
     lead = 0 if cfg.publish.gate_on(cfg.rollout.max_staleness) else cfg.rollout.max_staleness
+    r = cfg.rollout
     return gateway.expect(
-        version, cfg.publish.gate_hold_s, quota, cfg.publish.gate_refill_s, env_quotas, lead, batch_taken
+        version,
+        cfg.publish.gate_hold_s,
+        quota,
+        cfg.publish.gate_refill_s,
+        env_quotas,
+        lead,
+        batch_taken,
+        r.group_size if quota else None,
+        {spec.name: spec.group_size for spec in r.env_specs()} if env_quotas else None,
     )
 
 

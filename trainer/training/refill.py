@@ -5,8 +5,9 @@ Each environment may start only its share of a batch per version (inference/poli
 group (equal scores, a failure) then falls short, and the batch waits. The gateway cannot tell which one: it sees
 requests, not run-api's queue. So, once the trainer has waited `gate_refill_s` for a batch, it reads each
 environment's queue from run-api (GET /envs) and asks the gateway to refill those below their share
-(POST /policy/refill), again every `gate_refill_s` while it waits. The gateway refills only while nothing runs on
-the current version: an environment still sampling will fill its share by itself.
+(POST /policy/refill), again every `gate_refill_s` while it waits. The gateway refills an environment only once
+none of its requests has run for `gate_refill_s`: one still sampling (or between two turns of its episodes) will fill
+its share by itself.
 """
 
 from __future__ import annotations

@@ -124,8 +124,9 @@ class RolloutConfig(Section):
     mix_wait_s: float = Field(
         30.0,
         gt=0,
-        description="a mixed run: once the trainer has waited this long for a batch that an environment sending "
-        "nothing holds back, the batch forms without that environment's share (the shortfall is counted)",
+        description="a mixed run: a batch forms once every environment has its whole share queued; once the "
+        "trainer has waited this long for one that an environment short of its share holds back, it forms without "
+        "that environment's share (the shortfall is counted)",
     )
     refill_zero_variance: bool = Field(
         False,

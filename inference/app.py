@@ -22,20 +22,15 @@ from typing import Any, Protocol
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
 from inference.config import GatewayConfig
 from inference.errors import BackendError, Reason, default_reason
 from inference.http.accounting import LogLimiter, RequestAccounting, RequestStats
 from inference.http.bodies import check_backend_up, generate_answer, read_generate, read_openai, scores_prompt
-from inference.http.engine import engine_routes, require_lease
+from inference.http.engine import engine_routes
 from inference.http.evalroutes import eval_routes
 from inference.http.guard import BodyGuard, in_body_thread
 from inference.http.intake import (
-    STEP_IDS,
-    json_object,
-    lookup_request,
-    off_loop,
     request_env,
     resolved_path,
     respond,
@@ -45,6 +40,7 @@ from inference.http.intake import (
 from inference.http.named import NamedAdapters, named_routes
 from inference.http.tokenin import tokenin_routes
 from inference.http.tokens import token_routes
+from inference.http.trainer_routes import trainer_routes
 from inference.policy.gate import Gate
 from inference.policy.lease import LeaseBook
 from inference.policy.probe_check import (
@@ -54,14 +50,8 @@ from inference.policy.registry import Policy, PolicyRegistry, Recorded, VersionL
 from inference.samplers.lanes import SoloLane, scoring_runs_alone
 from inference.verification import PublishVerifier
 from inference.wire import (
-    ExpectRequest,
-    ExpectResponse,
-    LookupResponse,
-    PolicyStatus,
     PublishRequest,
     PublishResponse,
-    RefillRequest,
-    RefillResponse,
     Sample,
     SamplingRequest,
 )
@@ -381,7 +371,7 @@ def create_app(
     app.add_exception_handler(RequestValidationError, _request_validation_error)  # type: ignore[arg-type]
     app.include_router(sampling_routes(gw))
     app.include_router(openai_routes(gw))
-    app.include_router(policy_routes(gw))
+    app.include_router(trainer_routes(gw))
     app.include_router(named_routes(gw))
     app.include_router(eval_routes(gw))
     app.include_router(tokenin_routes(gw))
@@ -510,122 +500,3 @@ def requested_sequences(body: dict[str, Any]) -> int:
     prompt = body.get("prompt")
     prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 1
     return per_prompt * prompts
-
-
-async def look_up(gw: Gateway, sequences: list[list[int]]) -> list[int | None]:
-    """Ledger versions, yielding to the event loop every STEP_IDS token ids hashed (a training batch's lookup
-    hashes millions). A sequence longer than the context was never sampled here: None without hashing it."""
-    context, hashed = gw.backend.max_model_len, 0
-    versions: list[int | None] = []
-    for i, seq in enumerate(sequences):
-        if context is not None and len(seq) > context:
-            versions.append(None)
-            continue
-        versions.append(gw.ledger.lookup(seq))
-        hashed += len(seq)
-        if hashed >= STEP_IDS or i % 1024 == 1023:
-            hashed = 0
-            await asyncio.sleep(0)
-    return versions
-
-
-def policy_routes(gw: Gateway) -> APIRouter:
-    """What the trainer calls: publish (token-protected off loopback), lookup, status."""
-    router = APIRouter()
-    backend, registry = gw.backend, gw.registry
-
-    @router.post("/policy/publish")
-    async def publish(request: Request) -> PublishResponse:
-        if not gw.authorized(request):  # before the body is read: strangers learn nothing from a parse error
-            raise BackendError(401, "publishing needs 'Authorization: Bearer <inference.publish_token>'")
-        require_lease(gw, request, "publishing")
-        try:
-            req = PublishRequest.model_validate(await json_object(request))
-        except ValidationError as exc:
-            raise BackendError(400, validation_message(exc)) from exc
-        return await gw.publish(req)
-
-    @router.post("/policy/expect")
-    async def expect(request: Request) -> ExpectResponse:
-        if not gw.authorized(request):
-            raise BackendError(
-                401, "closing the gate needs 'Authorization: Bearer <inference.publish_token>'"
-            )
-        require_lease(gw, request, "closing the gate")
-        try:
-            req = ExpectRequest.model_validate(await json_object(request))
-        except ValidationError as exc:
-            raise BackendError(400, validation_message(exc)) from exc
-        changed = gw.gate.set_quota(
-            req.quota, req.refill_s, req.env_quotas, req.hold_s, req.lead, req.group_size, req.env_group_sizes
-        )
-        if req.version > registry.current.version:
-            gw.gate.close(req.version, req.hold_s)
-            return ExpectResponse(holding_for=req.version)
-        if gw.gate.waiting_for is None and not changed and not req.batch_taken:
-            # The quotas as they were, on an open gate (a mixed run's trainer re-sending them, a resumed trainer):
-            # what the current version started still counts against them.
-            return ExpectResponse(holding_for=None)
-        spell = gw.gate.open()  # nothing newer is coming (the step made no update), or new quotas from now
-        if spell is None:
-            return ExpectResponse(holding_for=None)
-        return ExpectResponse(holding_for=None, hold_s=spell.closed_s, held_requests=spell.held_requests)
-
-    @router.post("/policy/refill")
-    async def refill(request: Request) -> RefillResponse:
-        if not gw.authorized(request):
-            raise BackendError(401, "refilling needs 'Authorization: Bearer <inference.publish_token>'")
-        require_lease(gw, request, "refilling")
-        try:
-            req = RefillRequest.model_validate(await json_object(request))
-        except ValidationError as exc:
-            raise BackendError(400, validation_message(exc)) from exc
-        refilled = gw.gate.refill_envs(req.short)
-        if refilled:
-            log.info(
-                "on-policy gate: refilled %s on version %d (short of their share)",
-                refilled,
-                registry.current.version,
-            )
-        return RefillResponse(refilled=refilled)
-
-    @router.post("/policy/lookup")
-    async def lookup(request: Request) -> LookupResponse:
-        req = await off_loop(request, lookup_request, await json_object(request))
-        return LookupResponse(versions=await look_up(gw, req.sequences))
-
-    @router.get("/policy")
-    async def status(request: Request) -> PolicyStatus:
-        state = PolicyStatus(
-            instance=gw.instance,
-            generation=registry.generation,
-            current_version=registry.current.version,
-            loaded_versions=[p.version for p in registry.loaded()],
-            in_flight=registry.in_flight(),
-            healthy=backend.ready,
-            state=backend.state,
-            restarts=backend.restarts,
-            restart_reasons=list(getattr(backend, "restart_reasons", [])),
-            requests_total=gw.stats.requests_total,
-            rejected_total=gw.stats.rejected_total,
-            rejected_by_reason=dict(gw.stats.rejected_by_reason),
-            last_rejection=gw.stats.last_rejection,
-            gate_waiting_for=gw.gate.waiting_for,
-            gate_holding=gw.gate.holding,
-            gate_held_total=gw.gate.held_total,
-            gate_expired_total=gw.gate.expired_total,
-            gate_deadline_passes_total=gw.gate.deadline_passes_total,
-            gate_refills_total=gw.gate.refills_total,
-            gate_carried_total=gw.gate.carried_total,
-            gate_continuations_total=gw.gate.continuations_total,
-            gate_group_passes_total=gw.gate.group_passes_total,
-            continuations_moved_total=gw.continuations_moved,
-            gate_started_by_env=gw.gate.started_by_env(),
-        )
-        if gw.authorized(request):  # where vLLM listens and its PIDs are for the token's holders only
-            state.backend_url = backend.url
-            state.backend_pid = backend.pid
-            state.backend_pids = getattr(backend, "pids", [backend.pid])
-        return state
-
-    return router

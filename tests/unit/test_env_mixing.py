@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from trainer.orchestration.commands import build_components, env_command, env_share_lines
 from trainer.orchestration.idle import Snapshot, explain_idle
-from trainer.orchestration.launcher import check_environment
+from trainer.orchestration.preflight import check_environment
 from trainer.training.batch import IntakeOptions, convert_batch, per_env_metrics
 from trainer.training.config import ConfigError, RunConfig, load_config
 

@@ -10,8 +10,6 @@ import contextlib
 import json
 import logging
 import os
-import random
-import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -32,9 +30,10 @@ from trainer.backends.collectives import (
 )
 from trainer.backends.micro_batches import MicroBatch, causal_lm_logprobs
 from trainer.backends.packed_forward import enable_packed_attention
+from trainer.backends.run_state import atomic_dir, rng_state, seed_everything, set_rng_state
 from trainer.training.backend import AdamParams, ForwardBackwardResult
 from trainer.training.batch import TrainingExample, examples_to_tensors
-from trainer.training.checkpoints import failpoint, fsync_path
+from trainer.training.checkpoints import failpoint
 from trainer.training.config import ConfigError, RunConfig
 from trainer.training.distill import teacher_kind
 from trainer.training.logprobs import top_logprobs
@@ -167,7 +166,7 @@ def write_peft_adapter(peft_model: Any, adapter: str, dest: Path, dtype: torch.d
         raise FileExistsError(f"{dest} exists: adapter folders are never overwritten")
     state = get_peft_model_state_dict(peft_model, adapter_name=adapter, save_embedding_layers=False)
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
-    with _atomic_dir(dest) as tmp:
+    with atomic_dir(dest) as tmp:
         save_file(tensors, str(tmp / ADAPTER_FILE))
         failpoint("adapter-save")
         peft_model.peft_config[adapter].save_pretrained(str(tmp))
@@ -223,7 +222,7 @@ class LocalBackend:
         self.teacher_model: Any = None  # distillation from a model of its own (load_teacher)
         self.url_teacher: UrlTeacher | None = None  # ... or from a server's URL
         self.output_dir = Path(cfg.trainer.output_dir)
-        _seed_everything(cfg.lora.seed)
+        seed_everything(cfg.lora.seed)
 
     @property
     def step(self) -> int:
@@ -532,11 +531,11 @@ class LocalBackend:
             k: v.detach().float().contiguous().cpu()
             for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()
         }
-        with _atomic_dir(dest) as tmp:
+        with atomic_dir(dest) as tmp:
             save_file(tensors, str(tmp / ADAPTER_FILE))
             self.model.peft_config["default"].save_pretrained(str(tmp))
             torch.save(
-                {"optimizer": self.optimizer.state_dict(), "step": self._step, "rng": _rng_state()},
+                {"optimizer": self.optimizer.state_dict(), "step": self._step, "rng": rng_state()},
                 tmp / "trainer_state.pt",
             )
             (tmp / "run_config.json").write_text(self.cfg.model_dump_json(indent=2))
@@ -572,62 +571,8 @@ class LocalBackend:
         state = torch.load(src / "trainer_state.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self._step = int(state["step"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
 
 
 def _same_folder(path: str) -> str:
     return os.path.realpath(path) if os.path.isdir(path) else path
-
-
-class _atomic_dir:
-    """Write into a hidden temp folder beside dest, fsync it, then rename: readers (and a resume after a power cut)
-    see all of it or none of it."""
-
-    def __init__(self, dest: Path):
-        self.dest = dest
-        self.tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-
-    def __enter__(self) -> Path:
-        self.dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir()
-        return self.tmp
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        for path in self.tmp.iterdir():
-            fsync_path(path)
-        fsync_path(self.tmp)
-        os.rename(self.tmp, self.dest)
-        fsync_path(self.dest.parent)
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _rng_state() -> dict[str, Any]:
-    # Only tensors, ints, floats, strings and tuples: what torch.load(weights_only=True) reads back.
-    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    assert isinstance(keys, np.ndarray)  # the legacy form is always (str, ndarray, int, int, float)
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

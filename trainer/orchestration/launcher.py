@@ -34,10 +34,10 @@ from trainer.orchestration.commands import (
     PY,
     ROOT,
     build_components,
-    env_preflight_command,
     env_share_lines,
 )
 from trainer.orchestration.dashboard_launch import start_dashboard
+from trainer.orchestration.preflight import preflight
 from trainer.orchestration.processes import Component, listen, stop_all, stop_first
 from trainer.orchestration.slurm import Placement, SlurmJob, job_from_env, parse_nodelist, plan
 from trainer.orchestration.supervisor import LaunchError, Supervisor, wait_http
@@ -45,8 +45,7 @@ from trainer.training import wandb_group
 from trainer.training.checkpoints import read_latest
 from trainer.training.config import ConfigError, RunConfig, load_config, sampler_dtype
 from trainer.training.distill import resolve_teacher, teacher_kind
-from trainer.training.rollout_config import EnvSpec
-from trainer.training.teacher_http import api_key, preflight_url_teacher
+from trainer.training.teacher_http import api_key
 
 ANY_HOST = frozenset({"0.0.0.0", "::"})
 RUNS = ROOT / "runs"  # a new run's folder goes here unless trainer.output_dir says where
@@ -134,86 +133,6 @@ def gateway_section(cfg: RunConfig, model_path: str, address: dict[str, Any] | N
     if proc.returncode != 0:
         raise ConfigError(proc.stderr.strip() or f"python -m inference.config exited with {proc.returncode}")
     return dict(json.loads(proc.stdout))
-
-
-def preflight(cfg: RunConfig) -> str:
-    """Everything missing, reported at once within seconds: the model (or, for Tinker, only its tokenizer), the
-    Tinker key, the environment's data. Then a model that is not here is downloaded (only once nothing else
-    stands in the way). Returns the local model (or tokenizer) folder, never a hub id."""
-    from trainer.orchestration.preflight import (
-        ModelDownload,
-        check_teacher_tokenizer,
-        check_tinker,
-        download_model,
-        find_model,
-    )
-
-    problems: list[str] = []
-    tinker = cfg.launch.backend == "tinker"
-    wanted = (cfg.tinker.tokenizer or cfg.model.path) if tinker else cfg.model.path
-    found: str | ModelDownload | None = None
-    try:
-        found = find_model(wanted, tokenizer_only=tinker)
-    except ConfigError as exc:
-        problems.append(str(exc))
-    if tinker and not cfg.tinker.client_factory:
-        problems += check_tinker()
-    specs = cfg.rollout.env_specs()
-    # env files' and verifiers environments' checks need the model's tokenizer folder: those run after the download
-    for spec in specs:
-        if not (spec.is_file or spec.is_verifiers):
-            problems += check_environment(cfg, found if isinstance(found, str) else wanted, spec)
-    teacher: str | ModelDownload | None = None  # a teacher model of its own (not an adapter), once found
-    if cfg.distill.teacher is not None:
-        try:  # the folder the trainer will load, fixed now (a teacher run's newest adapter at launch)
-            cfg.distill.teacher = resolve_teacher(cfg.distill.teacher)
-            if teacher_kind(cfg.distill.teacher) == "model":  # on Tinker only its tokenizer is read here
-                teacher = find_model(cfg.distill.teacher, tokenizer_only=tinker, setting="distill.teacher")
-        except ConfigError as exc:
-            problems.append(str(exc))
-    if problems:
-        raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
-    assert found is not None  # find_model either answered or its problem was raised above
-    model_path = found if isinstance(found, str) else download_model(found)
-    problems = [
-        p
-        for spec in specs
-        if spec.is_file or spec.is_verifiers
-        for p in check_environment(cfg, model_path, spec)
-    ]
-    if cfg.distill.by_url:  # a server elsewhere: it answers, serves one base model, tokenizes as the student
-        problems += preflight_url_teacher(cfg.distill, model_path)
-    if teacher is not None:  # a model of its own, sharing the student's tokenizer
-        folder = teacher if isinstance(teacher, str) else download_model(teacher)
-        problems += check_teacher_tokenizer(model_path, folder)
-        if not tinker:  # the local trainer loads it from that folder; Tinker by its name
-            cfg.distill.teacher = folder
-    if problems:
-        raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
-    return model_path
-
-
-def check_environment(cfg: RunConfig, model_path: str, spec: EnvSpec | None = None) -> list[str]:
-    """Run one environment's own pre-flight (`spec`: one of cfg.rollout.env_specs(); None = the first); its notes
-    are printed, its problems returned (in a mixed run, each named with its environment)."""
-    spec = spec or cfg.rollout.env_specs()[0]
-    who = f"{spec.name}: " if cfg.rollout.envs else ""
-    try:
-        argv = env_preflight_command(cfg, model_path, spec)
-    except ConfigError as exc:  # an unknown environment: reported beside every other problem
-        return [str(exc)]
-    if argv is None:
-        return []
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    for line in proc.stdout.splitlines():
-        if line.startswith("note: "):
-            print(f"environment: {who}{line.removeprefix('note: ')}", flush=True)
-    if proc.returncode == 0:
-        return []
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("preflight: ")]
-    return [who + line.removeprefix("preflight: ") for line in lines] or [
-        f"environment {spec.env!r} failed its pre-flight (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
-    ]
 
 
 def place_on_slurm(cfg: RunConfig, job: SlurmJob, preview: bool = False) -> tuple[Placement, dict[str, Any]]:

@@ -21,11 +21,15 @@ if ! "$PY" -c 'import importlib.metadata as m, sys; sys.exit(m.version("tinker-c
   "$PY" -m pip install -q --no-deps "tinker-cookbook==0.6.1" || echo "[tests] could not install tinker-cookbook: its test will skip" >&2
 fi
 # The verifiers test trains through a verifiers environment, which runs in a venv of its own (.venv-verifiers, built
-# once, about 2 minutes). Where it cannot be built, that test skips and says how to build it.
-bash launch.sh --setup-verifiers || echo "[tests] could not set up .venv-verifiers: the verifiers test will skip" >&2
-# The same for verifiers v1 (verifiers 0.4, which needs openai<3): .venv-verifiers-v1, about 1.5 minutes once.
+# once, about 2 minutes). Where it cannot be built, that test skips and says how to build it. The same for verifiers
+# v1 (verifiers 0.4, which needs openai<3): .venv-verifiers-v1, about 1.5 minutes once. The two build side by side
+# (one core each), each into its own folder.
+bash launch.sh --setup-verifiers || echo "[tests] could not set up .venv-verifiers: the verifiers test will skip" >&2 &
+v0=$!
 bash launch.sh --setup-verifiers-v1 \
-  || echo "[tests] could not set up .venv-verifiers-v1: the verifiers v1 test will skip" >&2
+  || echo "[tests] could not set up .venv-verifiers-v1: the verifiers v1 test will skip" >&2 &
+v1=$!
+wait "$v0" "$v1"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # No arguments: the whole suite, by tier. The unit tier (in-process, no server) runs on two workers, one per core;
 # then the tests that start real servers run one at a time, alone on the box, as their timings assume.

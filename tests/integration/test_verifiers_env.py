@@ -59,14 +59,15 @@ def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_o
         f"trainer.output_dir={run_dir}",
         "eval.every_steps=0",
         "rollout.max_staleness=0",
-        "rollout.num_steps=30",
+        "rollout.num_steps=20",  # the single-turn task's 3-step mean reached 0.8 by step 12-14 in six runs
         "launch.idle_warn_s=0",
     ]  # its own vLLM: the tool environment needs vLLM's tool-call parser (a shared engine refuses the run)
     rc, out, _ = run_launch(cmd, 900)
     assert rc == 0, out[-3000:]
     rows = read_metrics(run_dir)
     trained = [r for r in rows if r["loss"] is not None]
-    # once both tasks are solved their groups have equal rewards and no gradient: 15 of 30 steps trained in one run
+    # once both tasks are solved their groups have equal rewards and no gradient: 16-18 of the first 20 steps
+    # trained in six runs
     assert len(trained) >= 10, len(trained)
     for row in trained:
         # A 3-turn episode that spanned a publish counts as its oldest turn's version and is dropped as stale, so

@@ -74,21 +74,9 @@ def run(cfg: RunConfig, backend: TrainingBackend) -> bool:
 
 
 def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
-    assert cfg.launch.run_api_url is not None and cfg.launch.gateway_url is not None
-    logs = run_dir / "logs"
-    gateway = GatewayClient(
-        cfg.launch.gateway_url,
-        cfg.inference.get("publish_token"),
-        lease=cfg.inference.get("engine_lease") if cfg.inference.get("engine_url") else None,
-        timeout_s=cfg.trainer.request_timeout_s,
-        retry_budget_s=cfg.trainer.retry_budget_s,
-        log=(
-            f"the shared engine's logs/gateway.log ({cfg.inference['engine_url']})"
-            if cfg.inference.get("engine_url")
-            else str(logs / "gateway.log")
-        ),
-    )
-    api = RunApi(cfg, cfg.launch.run_api_url, str(logs / "run-api.log"))
+    assert cfg.launch.run_api_url is not None
+    gateway = _gateway_client(cfg, run_dir / "logs")
+    api = RunApi(cfg, cfg.launch.run_api_url, str(run_dir / "logs" / "run-api.log"))
     stopper = Stopper()
     stopper.install()
     # The launcher may start the trainer while vLLM boots: wait for the gateway here, not in a publish's retries.
@@ -117,17 +105,7 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     quota_on = gateway.status().instance if quota else None  # the gateway process that holds the quota
     api.register(state.step)
     metrics = MetricsWriter(run_dir / "metrics.jsonl", cfg.launch.wandb, cfg)
-    intake = IntakeOptions(
-        vocab_size=backend.vocab_size,
-        max_seq_len=cfg.trainer.max_seq_len,
-        overlong=cfg.trainer.overlong,
-        # Tinker computes the loss remotely from the logprobs it is sent: only the local trainer can stand in.
-        missing_sampler_logprobs=cfg.rollout.missing_logprobs if cfg.launch.backend == "local" else "drop",
-        normalize_std=cfg.normalize_std(),
-        std_eps=cfg.advantage.std_eps,
-        require_sampler_logprobs=cfg.loss_name != "cross_entropy",
-        keep_zero_variance=cfg.distill.on,
-    )
+    intake = _intake_options(cfg, backend)
     run = RunTally(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step)
     pending: PendingStep | None = None
     reserve = Reserve() if cfg.rollout.refill_zero_variance else None
@@ -155,16 +133,18 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
             waiting_since = time.monotonic()
             if refill is not None:
                 refill.waiting()
-            topped = None
-            if reserve is None:
-                groups = wait_for_batch(api, cfg.trainer.batch_poll_s, stopper, meanwhile)
-            else:
-                topped = reserve.fill(
+            topped = (
+                None
+                if reserve is None
+                else reserve.fill(
                     lambda: wait_for_batch(api, cfg.trainer.batch_poll_s, stopper, meanwhile),
                     cfg.rollout.batch_size,
                     cfg.rollout.refill_max_groups or cfg.rollout.groups_per_step,
                 )
-                groups = topped.groups
+            )
+            groups = (
+                topped.groups if topped else wait_for_batch(api, cfg.trainer.batch_poll_s, stopper, meanwhile)
+            )
             finish_pending(block=True)
             served = _ensure_gateway_policy(gateway, publisher, run_dir, state)
             if quota and not gate and served.instance != quota_on:  # a restarted gateway starts with no quota
@@ -175,11 +155,7 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
             pending = _one_step(
                 cfg, backend, gateway, publisher, intake, state, groups, StepTimes(waiting_since), hold, names
             )
-            # Episode turns the gateway recognised as continuing an earlier turn (a multi-turn environment's later
-            # turns, token-in): 0 in such a run means its turns reach the trainer as unrelated prompts.
-            pending.row["gateway/continuations_total"] = float(served.gate_continuations_total)
-            # Rollouts of a group asked for one at a time that the gate admitted with their group (verifiers).
-            pending.row["gateway/group_passes_total"] = float(served.gate_group_passes_total)
+            pending.row.update(_gate_row(served))
             if cfg.rollout.envs:
                 pending.row.update(api.shortfalls())
             if topped is not None:
@@ -199,6 +175,43 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     metrics.close()
     gateway.close()
     return state.step >= cfg.rollout.num_steps
+
+
+def _gateway_client(cfg: RunConfig, logs: Path) -> GatewayClient:
+    assert cfg.launch.gateway_url is not None
+    engine = cfg.inference.get("engine_url")
+    return GatewayClient(
+        cfg.launch.gateway_url,
+        cfg.inference.get("publish_token"),
+        lease=cfg.inference.get("engine_lease") if engine else None,
+        timeout_s=cfg.trainer.request_timeout_s,
+        retry_budget_s=cfg.trainer.retry_budget_s,
+        log=f"the shared engine's logs/gateway.log ({engine})" if engine else str(logs / "gateway.log"),
+    )
+
+
+def _intake_options(cfg: RunConfig, backend: TrainingBackend) -> IntakeOptions:
+    return IntakeOptions(
+        vocab_size=backend.vocab_size,
+        max_seq_len=cfg.trainer.max_seq_len,
+        overlong=cfg.trainer.overlong,
+        # Tinker computes the loss remotely from the logprobs it is sent: only the local trainer can stand in.
+        missing_sampler_logprobs=cfg.rollout.missing_logprobs if cfg.launch.backend == "local" else "drop",
+        normalize_std=cfg.normalize_std(),
+        std_eps=cfg.advantage.std_eps,
+        require_sampler_logprobs=cfg.loss_name != "cross_entropy",
+        keep_zero_variance=cfg.distill.on,
+    )
+
+
+def _gate_row(served: PolicyStatus) -> dict[str, float]:
+    return {
+        # Episode turns the gateway recognised as continuing an earlier turn (a multi-turn environment's later
+        # turns, token-in): 0 in such a run means its turns reach the trainer as unrelated prompts.
+        "gateway/continuations_total": float(served.gate_continuations_total),
+        # Rollouts of a group asked for one at a time that the gate admitted with their group (verifiers).
+        "gateway/group_passes_total": float(served.gate_group_passes_total),
+    }
 
 
 def _close_gate(

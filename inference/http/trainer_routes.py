@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from inference.errors import BackendError
 from inference.http.engine import require_lease
@@ -48,30 +48,15 @@ async def look_up(gw: Any, sequences: list[list[int]]) -> list[int | None]:
 def trainer_routes(gw: Any) -> APIRouter:
     """What the trainer calls: publish, expect and refill (token-protected off loopback), lookup, status."""
     router = APIRouter()
-    backend, registry = gw.backend, gw.registry
+    registry = gw.registry
 
     @router.post("/policy/publish")
     async def publish(request: Request) -> PublishResponse:
-        if not gw.authorized(request):  # before the body is read: strangers learn nothing from a parse error
-            raise BackendError(401, "publishing needs 'Authorization: Bearer <inference.publish_token>'")
-        require_lease(gw, request, "publishing")
-        try:
-            req = PublishRequest.model_validate(await json_object(request))
-        except ValidationError as exc:
-            raise BackendError(400, validation_message(exc)) from exc
-        return await gw.publish(req)
+        return await gw.publish(await owner_body(gw, request, PublishRequest, "publishing"))
 
     @router.post("/policy/expect")
     async def expect(request: Request) -> ExpectResponse:
-        if not gw.authorized(request):
-            raise BackendError(
-                401, "closing the gate needs 'Authorization: Bearer <inference.publish_token>'"
-            )
-        require_lease(gw, request, "closing the gate")
-        try:
-            req = ExpectRequest.model_validate(await json_object(request))
-        except ValidationError as exc:
-            raise BackendError(400, validation_message(exc)) from exc
+        req = await owner_body(gw, request, ExpectRequest, "closing the gate")
         changed = gw.gate.set_quota(
             req.quota, req.refill_s, req.env_quotas, req.hold_s, req.lead, req.group_size, req.env_group_sizes
         )
@@ -89,13 +74,7 @@ def trainer_routes(gw: Any) -> APIRouter:
 
     @router.post("/policy/refill")
     async def refill(request: Request) -> RefillResponse:
-        if not gw.authorized(request):
-            raise BackendError(401, "refilling needs 'Authorization: Bearer <inference.publish_token>'")
-        require_lease(gw, request, "refilling")
-        try:
-            req = RefillRequest.model_validate(await json_object(request))
-        except ValidationError as exc:
-            raise BackendError(400, validation_message(exc)) from exc
+        req = await owner_body(gw, request, RefillRequest, "refilling")
         refilled = gw.gate.refill_envs(req.short)
         if refilled:
             log.info(
@@ -112,36 +91,57 @@ def trainer_routes(gw: Any) -> APIRouter:
 
     @router.get("/policy")
     async def status(request: Request) -> PolicyStatus:
-        state = PolicyStatus(
-            instance=gw.instance,
-            generation=registry.generation,
-            current_version=registry.current.version,
-            loaded_versions=[p.version for p in registry.loaded()],
-            in_flight=registry.in_flight(),
-            healthy=backend.ready,
-            state=backend.state,
-            restarts=backend.restarts,
-            restart_reasons=list(getattr(backend, "restart_reasons", [])),
-            requests_total=gw.stats.requests_total,
-            rejected_total=gw.stats.rejected_total,
-            rejected_by_reason=dict(gw.stats.rejected_by_reason),
-            last_rejection=gw.stats.last_rejection,
-            gate_waiting_for=gw.gate.waiting_for,
-            gate_holding=gw.gate.holding,
-            gate_held_total=gw.gate.held_total,
-            gate_expired_total=gw.gate.expired_total,
-            gate_deadline_passes_total=gw.gate.deadline_passes_total,
-            gate_refills_total=gw.gate.refills_total,
-            gate_carried_total=gw.gate.carried_total,
-            gate_continuations_total=gw.gate.continuations_total,
-            gate_group_passes_total=gw.gate.group_passes_total,
-            continuations_moved_total=gw.continuations_moved,
-            gate_started_by_env=gw.gate.started_by_env(),
-        )
-        if gw.authorized(request):  # where vLLM listens and its PIDs are for the token's holders only
-            state.backend_url = backend.url
-            state.backend_pid = backend.pid
-            state.backend_pids = getattr(backend, "pids", [backend.pid])
-        return state
+        return policy_status(gw, request)
 
     return router
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def owner_body(gw: Any, request: Request, model: type[Body], what: str) -> Body:
+    """The body of a call only the trainer (the publish token's holder, with the engine's lease) may make; the
+    token is checked before the body is read: strangers learn nothing from a parse error."""
+    if not gw.authorized(request):
+        raise BackendError(401, f"{what} needs 'Authorization: Bearer <inference.publish_token>'")
+    require_lease(gw, request, what)
+    try:
+        return model.model_validate(await json_object(request))
+    except ValidationError as exc:
+        raise BackendError(400, validation_message(exc)) from exc
+
+
+def policy_status(gw: Any, request: Request) -> PolicyStatus:
+    """GET /policy: versions, in-flight counts, the backend's state and the gate's counts."""
+    backend = gw.backend
+    state = PolicyStatus(
+        instance=gw.instance,
+        generation=gw.registry.generation,
+        current_version=gw.registry.current.version,
+        loaded_versions=[p.version for p in gw.registry.loaded()],
+        in_flight=gw.registry.in_flight(),
+        healthy=backend.ready,
+        state=backend.state,
+        restarts=backend.restarts,
+        restart_reasons=list(getattr(backend, "restart_reasons", [])),
+        requests_total=gw.stats.requests_total,
+        rejected_total=gw.stats.rejected_total,
+        rejected_by_reason=dict(gw.stats.rejected_by_reason),
+        last_rejection=gw.stats.last_rejection,
+        gate_waiting_for=gw.gate.waiting_for,
+        gate_holding=gw.gate.holding,
+        gate_held_total=gw.gate.held_total,
+        gate_expired_total=gw.gate.expired_total,
+        gate_deadline_passes_total=gw.gate.deadline_passes_total,
+        gate_refills_total=gw.gate.refills_total,
+        gate_carried_total=gw.gate.carried_total,
+        gate_continuations_total=gw.gate.continuations_total,
+        gate_group_passes_total=gw.gate.group_passes_total,
+        continuations_moved_total=gw.continuations_moved,
+        gate_started_by_env=gw.gate.started_by_env(),
+    )
+    if gw.authorized(request):  # where vLLM listens and its PIDs are for the token's holders only
+        state.backend_url = backend.url
+        state.backend_pid = backend.pid
+        state.backend_pids = getattr(backend, "pids", [backend.pid])
+    return state

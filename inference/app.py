@@ -185,6 +185,7 @@ class Gateway:
         env = None if request is None else request_env(request)
         if episode is not None:
             self.gate.admit_continuation()
+            group = None  # admitted with its episode's first turn, outside every group
         else:
             if group is None and prompt_ids is not None:
                 group = group_key(prompt_ids)
@@ -194,7 +195,7 @@ class Gateway:
                 else until_disconnect(request, self.gate.wait(n, env, group))
             )
         async with self.lane.enter(solo):
-            return await self._run_on_policy(coro_fn, request, episode, env)
+            return await self._run_on_policy(coro_fn, request, episode, env, group)
 
     async def episode_of(self, prompt_ids: list[int]) -> Recorded | None:
         """The episode turn `prompt_ids` continue (VersionLedger.continued). A long prompt is matched in the body
@@ -205,20 +206,25 @@ class Gateway:
         return await in_body_thread(self.ledger.continued, prompt_ids)
 
     async def _run_on_policy(
-        self, coro_fn: Any, request: Request | None, episode: Recorded | None, env: str | None
+        self,
+        coro_fn: Any,
+        request: Request | None,
+        episode: Recorded | None,
+        env: str | None,
+        group: str | None,
     ) -> tuple[Any, Policy]:
         # Chosen now, after any wait for the lane: the episode's version may have been unloaded meanwhile.
         policy = self.registry.acquire(episode)
         if episode is not None and not episode.sampled_by(policy):
             self.continuations_moved += 1  # its episode's version is gone: sampled on the current one
-        self.gate.request_started(env)
+        self.gate.request_started(env, group)
         try:
             if request is None:
                 return await coro_fn(policy), policy
             return await until_disconnect(request, coro_fn(policy)), policy
         finally:
             self.registry.release(policy)
-            self.gate.request_done(env)
+            self.gate.request_done(env, group)
             if self.registry.removable():
                 asyncio.get_running_loop().create_task(self.unload_stale())
 

@@ -451,6 +451,7 @@ class PolicyStatus(BaseModel):
     )
     gate_continuations_total: int = 0  # episode turns let through as continuations (inference/policy/gate.py)
     gate_group_passes_total: int = 0  # requests let through as the rest of a group admitted on their version
+    gate_released_total: int = 0  # samples of group reservations given back unused (a prompt asked for once)
     continuations_moved_total: int = 0  # of those, sampled on the current version: their episode's was gone
     # Sequences started on the current version by each environment its bearer key named (rlcommon/envkeys.py), and
     # by requests naming none ("" key); a mixed run's quota holds each named one to its share.

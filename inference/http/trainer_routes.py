@@ -137,6 +137,7 @@ def policy_status(gw: Any, request: Request) -> PolicyStatus:
         gate_carried_total=gw.gate.carried_total,
         gate_continuations_total=gw.gate.continuations_total,
         gate_group_passes_total=gw.gate.group_passes_total,
+        gate_released_total=gw.gate.released_total,
         continuations_moved_total=gw.continuations_moved,
         gate_started_by_env=gw.gate.started_by_env(),
     )

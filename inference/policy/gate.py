@@ -35,7 +35,9 @@ as stale at max_staleness 0).
   whole at max_staleness 0, and so is the next version's last group (measured: 8 sequences per environment dropped at
   every step of a verifiers run). So the first request of a prompt (its group key) on a version reserves the whole
   group (max(n, group_size) against the quota) and the group's further requests pass at once, closed gate or not,
-  until the group's size is used up. Prompts alike in every group (one fixed prompt) share that reservation.
+  until the group's size is used up. Prompts alike in every group (one fixed prompt) share that reservation. A
+  reservation no other sample used by the time its request ends (an eval prompt asked for once) goes back to the
+  quota.
 - **A refill waits for quiet.** Between two turns of an episode nothing of its environment runs, yet the
   environment is busy, not short: refilled then, it starts a group beyond its share on the version, which lands in
   the next batch as stale, and the refill that the next wait brings does the same again (measured: one 3-turn group
@@ -118,8 +120,11 @@ class Gate:
         self.group_size: int | None = None  # of requests naming no environment of env_quotas
         self.env_group_sizes: dict[str, int] = {}
         self._groups: dict[tuple[str | None, str], int] = {}
+        self._reserved: dict[tuple[str | None, str], int] = {}  # what each reservation held when it was made
+        self._group_running: dict[tuple[str | None, str], int] = {}  # requests of each group running now
         self.group_passes_total = 0  # requests let through as the rest of a group admitted on their version
         self.openings = 0  # versions opened (each starts its quotas and group reservations afresh)
+        self.released_total = 0  # samples of group reservations given back unused
         # Requests running now and when one last started or ended, by environment (None: unnamed, or past
         # MAX_SEEN_ENVS): what tells a refill whether an environment is quiet (module docstring).
         self._busy: dict[str | None, int] = {}
@@ -218,7 +223,7 @@ class Gate:
         self._started_env = dict.fromkeys(self.env_quotas, 0)
         self.carried_total += sum(carry_env.values()) if carry_env else carry
         self._seen_env = {}
-        self._groups = {}
+        self._groups, self._reserved, self._group_running = {}, {}, {}
         self.openings += 1
         spell = None
         if self._waiting_for is not None:
@@ -273,6 +278,7 @@ class Gate:
         self._start(cost, env)
         if group is not None and cost > n and len(self._groups) < MAX_GROUPS:
             self._groups[(env, group)] = self._groups.get((env, group), 0) + cost - n
+            self._reserved[(env, group)] = self._groups[(env, group)]
             if self._holding_now:  # the group's other requests may be waiting already: they may go now
                 self._wake()
 
@@ -355,11 +361,29 @@ class Gate:
             return env
         return None
 
-    def request_started(self, env: str | None = None) -> None:
+    def request_started(self, env: str | None = None, group: str | None = None) -> None:
         """Called when a request (a first turn or a continuation) starts running, paired with request_done."""
         key = self._activity_key(env)
         self._busy[key] = self._busy.get(key, 0) + 1
         self._last_active[key] = time.monotonic()
+        if group is not None and (env, group) in self._groups:
+            self._group_running[(env, group)] = self._group_running.get((env, group), 0) + 1
+
+    def _release_unused(self, env: str | None, group: str | None) -> None:
+        """A request that reserved a group ended and none of the group's other samples came (an eval prompt asked
+        for once, a client that never asks per rollout): its reservation goes back to the quota."""
+        if group is None or (env, group) not in self._group_running:
+            return
+        key = (env, group)
+        self._group_running[key] -= 1
+        if self._group_running[key] > 0 or self._groups.get(key) != self._reserved.get(key):
+            return
+        unused = self._groups.pop(key)
+        del self._reserved[key], self._group_running[key]
+        self._start(-unused, env)
+        self.released_total += unused
+        if self._holding_now:
+            self._wake()
 
     def _quiet_s(self, env: str | None = None, every: bool = False) -> float:
         """How long nothing of `env` (`every`: of any environment) has run; 0.0 while something runs."""
@@ -369,7 +393,7 @@ class Gate:
         last = max((self._last_active.get(k, float("-inf")) for k in keys), default=float("-inf"))
         return time.monotonic() - last
 
-    def request_done(self, env: str | None = None) -> None:
+    def request_done(self, env: str | None = None, group: str | None = None) -> None:
         """Called when a request ends: with nothing left running on the current version while requests wait over
         the quota, the environment is short of a batch (it discarded groups); give the trainer `refill_s` to take
         one, then, if nothing has run meanwhile, let the held requests through on the current version."""
@@ -377,6 +401,7 @@ class Gate:
         if self._busy.get(key, 0) > 0:
             self._busy[key] -= 1
             self._last_active[key] = time.monotonic()
+        self._release_unused(env, group)
         self._arm_refill()
 
     def _arm_refill(self) -> None:

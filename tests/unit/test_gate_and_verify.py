@@ -210,7 +210,7 @@ async def test_the_timed_refill_waits_out_an_episode_between_two_turns():
     a group beyond its share, stale in the next batch. The refill comes only after refill_s with nothing run."""
     running = {"n": 0}
     gate = Gate(lambda: running["n"])
-    gate.set_quota(8, refill_s=0.2)
+    gate.set_quota(8, refill_s=0.6)  # five times the gaps below: a loaded box stretches a sleep
     gate.open()
     assert await gate.wait(8, "multi") == 0.0  # the episodes' first turns: the whole quota
     gate.request_started("multi")
@@ -222,9 +222,9 @@ async def test_the_timed_refill_waits_out_an_episode_between_two_turns():
         assert not held.done() and gate.refills_total == 0
         gate.request_started("multi")
     gate.request_done("multi")  # the episodes ended (and their group was discarded): quiet from now on
-    await asyncio.sleep(0.15)
+    await asyncio.sleep(0.2)
     assert not held.done()
-    await asyncio.sleep(0.25)
+    await asyncio.sleep(0.8)
     assert held.done() and gate.refills_total == 1
 
 
@@ -254,6 +254,28 @@ async def test_a_group_asked_for_one_rollout_at_a_time_starts_whole_on_one_versi
     await asyncio.sleep(0.05)
     assert not more_d.done()
     more_d.cancel()
+
+
+async def test_a_reservation_no_other_sample_used_goes_back_to_the_quota_when_its_request_ends():
+    """An eval prompt asked for once (n = 1) reserves a group like any first rollout; once it ends with no sibling
+    having come, the quota gets the reservation back. A group whose siblings came keeps it."""
+    gate = Gate()
+    gate.set_quota(8, refill_s=30, group_size=4)
+    gate.open()
+    assert await gate.wait(1, None, "eval-1") == 0.0 and await gate.wait(1, None, "A") == 0.0
+    gate.request_started(None, "eval-1")
+    gate.request_started(None, "A")
+    assert await gate.wait(1, None, "A") == 0.0  # A's sibling
+    gate.request_started(None, "A")
+    held = asyncio.create_task(gate.wait(3))  # 8 of 8 reserved: a request for 3 more waits
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    gate.request_done(None, "eval-1")  # nothing else of eval-1 came: its 3 unused samples go back
+    await asyncio.wait_for(held, 1)
+    assert gate.released_total == 3 and gate.started_by_env() == {"": 8}  # eval-1 1, A 4 (reserved), then 3
+    gate.request_done(None, "A")
+    gate.request_done(None, "A")
+    assert gate.released_total == 3  # A's siblings used its reservation: nothing to give back
 
 
 async def test_the_rest_of_a_group_passes_the_closed_gate_on_its_version():

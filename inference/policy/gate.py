@@ -257,24 +257,31 @@ class Gate:
         if env in self._started_env:
             self._started_env[env] += n
 
-    def _cost(self, n: int, env: str | None, group: str | None) -> int:
-        """What a request that starts a group takes off the quota: the whole group (module docstring)."""
-        if group is None or self._allowed is None:
+    def _cost(self, n: int, env: str | None, group: str | None, reserve: bool = True) -> int:
+        """What a request that starts a group takes off the quota: the whole group (module docstring), or what
+        the quota has left when that is less. A refill lifts the quota by the samples held, not by whole groups: a
+        group's late rollouts, whose first one's reservation went back unused, must fit what it lifted; so a
+        request that waited over the quota (`reserve` False) takes only its own samples."""
+        if group is None or self._allowed is None or not reserve:
             return n
-        size = self.env_group_sizes.get(env, self.group_size) if env in self._allowed_env else self.group_size
-        return max(n, size or n)
+        if env in self._allowed_env:
+            size = self.env_group_sizes.get(env, self.group_size)
+            left = self._allowed_env[env] - self._started_env[env]
+        else:
+            size, left = self.group_size, self._allowed - self._started
+        return max(n, min(size or n, left))
 
     def _in_group(self, n: int, env: str | None, group: str | None) -> bool:
         """Whether a group admitted on this version still holds `n` samples for this request."""
         return group is not None and self._groups.get((env, group), 0) >= n
 
-    def _admit(self, n: int, env: str | None, group: str | None) -> None:
+    def _admit(self, n: int, env: str | None, group: str | None, reserve: bool = True) -> None:
         if self._in_group(n, env, group):
             assert group is not None
             self._groups[(env, group)] -= n
             self.group_passes_total += 1
             return
-        cost = self._cost(n, env, group)
+        cost = self._cost(n, env, group, reserve)
         self._start(cost, env)
         if group is not None and cost > n and len(self._groups) < MAX_GROUPS:
             self._groups[(env, group)] = self._groups.get((env, group), 0) + cost - n
@@ -282,8 +289,8 @@ class Gate:
             if self._holding_now:  # the group's other requests may be waiting already: they may go now
                 self._wake()
 
-    def _may_start(self, n: int, env: str | None, group: str | None) -> bool:
-        return self._in_group(n, env, group) or self._passable(self._cost(n, env, group), env)
+    def _may_start(self, n: int, env: str | None, group: str | None, reserve: bool = True) -> bool:
+        return self._in_group(n, env, group) or self._passable(self._cost(n, env, group, reserve), env)
 
     async def wait(self, n: int = 1, env: str | None = None, group: str | None = None) -> float:
         """Return once a request for `n` sequences from environment `env` (None: not named) may start; the
@@ -299,6 +306,7 @@ class Gate:
         counted: tuple[str | None, int] | None = (
             None  # (environment or None, sequences) counted as over the quota
         )
+        counted_on = -1  # the opening whose quota held it
         # The deadline wakes the waiters (a timer, not a cancelled wait: cancelling a task inside Condition.wait
         # while it re-takes the lock lost a wake-up now and then, and a request then waited for ever).
         alarm = asyncio.get_running_loop().call_at(
@@ -306,19 +314,21 @@ class Gate:
         )
         try:
             async with self._cond:
-                while not self._may_start(n, env, group):
+                # Held over this version's quota, it is let through by a refill, which lifts the quota by the
+                # samples held: it takes only its own then (_cost). On a new version it starts a group as any would.
+                while not self._may_start(n, env, group, counted is None or counted_on != self.openings):
                     # Held by the quota, not (or no longer) by a closed gate: counted as over it, which lets the
                     # refill see it. A request held by the closed gate counts from the opening on, where the new
                     # version's quota (less a carry) may hold it too; uncounted, no refill would ever come.
                     if counted is None and self._waiting_for is None:
-                        counted = (env if env in self._allowed_env else None, n)
+                        counted, counted_on = (env if env in self._allowed_env else None, n), self.openings
                         self._count_over(*counted)
                         self._arm_refill()  # nothing may be running to end and arm it
                     if time.monotonic() >= deadline:
                         self._pass_by_deadline(n, env)
                         break
                     await self._cond.wait()
-                self._admit(n, env, group)
+                self._admit(n, env, group, counted is None or counted_on != self.openings)
         finally:
             alarm.cancel()
             self._holding_now -= 1

@@ -278,6 +278,24 @@ async def test_a_reservation_no_other_sample_used_goes_back_to_the_quota_when_it
     assert gate.released_total == 3  # A's siblings used its reservation: nothing to give back
 
 
+async def test_a_groups_late_rollouts_after_its_reservation_went_back_are_not_stuck_until_the_deadline():
+    """A client that sends a group's rollouts one after another: the first ends before the second comes, so its
+    reservation goes back; later ones, held over the quota, must fit what the timed refill lifts (the samples
+    held), not a whole group each."""
+    gate = Gate()
+    gate.set_quota(8, refill_s=0.05, group_size=4, hold_s=30)
+    gate.open()
+    assert await gate.wait(1, None, "A") == 0.0
+    gate.request_started(None, "A")
+    gate.request_done(None, "A")  # nothing else of A came yet: 3 samples go back
+    for _ in range(4):
+        assert await gate.wait(1, None, "B") == 0.0  # B: 4 reserved, then used
+    assert await gate.wait(1, None, "C") == 0.0  # C: what the quota has left, 3, is reserved
+    late = [asyncio.create_task(gate.wait(1, None, "A")) for _ in range(3)]  # A's other rollouts, late
+    await asyncio.sleep(1.0)  # the timed refill lets them through, far inside their 30 s hold
+    assert all(t.done() for t in late) and gate.deadline_passes_total == 0 and gate.refills_total >= 1
+
+
 async def test_the_rest_of_a_group_passes_the_closed_gate_on_its_version():
     gate = Gate()
     gate.set_quota(8, refill_s=30, env_quotas={"multi": 8}, env_group_sizes={"multi": 4})

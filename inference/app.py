@@ -171,15 +171,16 @@ class Gateway:
         solo: bool = False,
         n: int = 1,
         prompt_ids: list[int] | None = None,
-        group: str | None = None,
+        prompt: Any = None,
     ) -> tuple[Any, Policy]:
         """Run a backend call on the current policy, keeping that policy loaded until the call returns. With the
         client's `request`, the call is cancelled (and vLLM aborts its work) when the client goes away; `solo`
         runs it alone in the engine (inference/samplers/lanes.py). A route that knows its prompt's token ids
         before sampling passes them as `prompt_ids`: a prompt that continues an episode (it starts with a turn the
         ledger recorded) passes the on-policy gate and its quota and is sampled on the version that sampled that
-        turn while it is loaded (inference/policy/gate.py). `group` names the prompt (group_key; token ids name
-        their own), so that a group asked for one rollout at a time is admitted whole."""
+        turn while it is loaded (inference/policy/gate.py). Under a quota the prompt (`prompt`, else the token
+        ids) names the request's group (group_key), so that a group asked for one rollout at a time is admitted
+        whole; without one nothing is hashed."""
         check_backend_up(self.backend)
         episode = None if prompt_ids is None else await self.episode_of(prompt_ids)
         env = None if request is None else request_env(request)
@@ -187,8 +188,8 @@ class Gateway:
             self.gate.admit_continuation()
             group = None  # admitted with its episode's first turn, outside every group
         else:
-            if group is None and prompt_ids is not None:
-                group = group_key(prompt_ids)
+            named = prompt if prompt is not None else prompt_ids
+            group = None if named is None or self.gate.quota is None else group_key(named)
             await (
                 self.gate.wait(n, env, group)
                 if request is None
@@ -467,7 +468,7 @@ async def openai_route(gw: Gateway, request: Request, path: str) -> JSONResponse
         scores_prompt(body),
         requested_sequences(body),
         token_prompt(body) if path == "/v1/completions" else None,
-        group_key(body["messages"] if "messages" in body else body.get("prompt")),
+        body["messages"] if "messages" in body else body.get("prompt"),
     )
     for choice in result.get("choices", []):
         prompt_ids = choice.get("prompt_token_ids") or result.get("prompt_token_ids")

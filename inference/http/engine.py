@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -75,102 +76,114 @@ async def start_run(gw: Any, run: int) -> list[str]:
     return unloaded
 
 
+def _book(gw: Any) -> LeaseBook:
+    if gw.leases is None:
+        raise BackendError(404, "this gateway is no shared engine (start one with: bash launch.sh engine)")
+    leases: LeaseBook = gw.leases
+    return leases
+
+
+def _authorize(gw: Any, request: Request, what: str) -> None:
+    if not gw.authorized(request):
+        raise BackendError(401, f"{what} needs 'Authorization: Bearer <the engine's publish token>'")
+
+
+def _body_of(model: type[Any], raw: Any) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise BackendError(400, validation_message(exc)) from exc
+
+
+def _status(gw: Any, served: Callable[[], ModelIdentity], request: Request | None) -> EngineStatus:
+    """What the engine serves; who holds it only for the token's holders (request None: the attaching run)."""
+    cfg, leases, now = gw.cfg, _book(gw), time.monotonic()
+    lease = leases.current(now)
+    state = EngineStatus(
+        instance=gw.instance,
+        model=served(),
+        keep_versions=cfg.keep_versions,
+        named_slots=cfg.named_slots,
+        vllm_dtype=cfg.vllm.dtype,
+        vllm=cfg.vllm.model_dump(mode="json", exclude={"api_key"}),
+        lease_ttl_s=leases.ttl_s,
+        runs=leases.runs,
+        lapsed=leases.lapsed,
+    )
+    if lease is not None and (request is None or gw.authorized(request)):
+        state.lease = LeaseStatus(
+            who=lease.who, held_s=now - lease.acquired_at, expires_in_s=leases.expires_in(now)
+        )
+    return state
+
+
+def _refuse_unfit(req: AttachRequest, served: ModelIdentity, keep_versions: int) -> None:
+    """409 for a run of another model, or one whose staleness window needs more versions than the engine keeps."""
+    differs = req.model.mismatch(served)
+    if differs is not None:
+        raise BackendError(
+            409,
+            f"this engine serves {served.name}; the run's model is {req.model.name}, whose {differs} "
+            "differs: attach a run of the engine's model, or start an engine for this one "
+            "(bash launch.sh engine --config FILE)",
+            reason="model_mismatch",
+        )
+    if req.max_staleness > keep_versions:
+        raise BackendError(
+            409,
+            f"the run's rollout.max_staleness={req.max_staleness} needs {req.max_staleness} versions kept "
+            f"loaded; this engine keeps {keep_versions} (start it with inference.keep_versions="
+            f"{req.max_staleness} or lower the run's rollout.max_staleness)",
+            reason="engine_too_small",
+        )
+
+
+def _grant(leases: LeaseBook, req: AttachRequest) -> bool:
+    """The lease for the run (True when that starts a new run); 409 naming the holder while another holds it."""
+    try:
+        return leases.attach(req.holder, req.who, time.monotonic())
+    except LeaseHeld as held:
+        raise BackendError(
+            409,
+            f"this engine is leased to {held.lease.who}; the lease lapses in {held.expires_in_s:.0f} s unless "
+            "that run renews it: wait for the run to end (or attach with --wait)",
+            reason="lease_held",
+            retry_after=max(1.0, held.expires_in_s),
+            detail={"expires_in_s": held.expires_in_s},
+        ) from None
+
+
 def engine_routes(gw: Any) -> APIRouter:
     router = APIRouter()
-    cfg = gw.cfg
     identity: dict[str, ModelIdentity] = {}
 
     def served() -> ModelIdentity:
         if "model" not in identity:  # read once: config.json, the tokenizer's files, the weights' sizes
-            identity["model"] = model_identity(cfg.model)
+            identity["model"] = model_identity(gw.cfg.model)
         return identity["model"]
-
-    def book() -> LeaseBook:
-        if gw.leases is None:
-            raise BackendError(
-                404, "this gateway is no shared engine (start one with: bash launch.sh engine)"
-            )
-        leases: LeaseBook = gw.leases
-        return leases
-
-    def authorize(request: Request, what: str) -> None:
-        if not gw.authorized(request):
-            raise BackendError(401, f"{what} needs 'Authorization: Bearer <the engine's publish token>'")
-
-    def status(request: Request | None) -> EngineStatus:
-        leases, now = book(), time.monotonic()
-        lease = leases.current(now)
-        state = EngineStatus(
-            instance=gw.instance,
-            model=served(),
-            keep_versions=cfg.keep_versions,
-            named_slots=cfg.named_slots,
-            vllm_dtype=cfg.vllm.dtype,
-            vllm=cfg.vllm.model_dump(mode="json", exclude={"api_key"}),
-            lease_ttl_s=leases.ttl_s,
-            runs=leases.runs,
-            lapsed=leases.lapsed,
-        )
-        if lease is not None and (request is None or gw.authorized(request)):
-            state.lease = LeaseStatus(
-                who=lease.who, held_s=now - lease.acquired_at, expires_in_s=leases.expires_in(now)
-            )
-        return state
-
-    def body_of(model: type[Any], raw: Any) -> Any:
-        try:
-            return model.model_validate(raw)
-        except ValidationError as exc:
-            raise BackendError(400, validation_message(exc)) from exc
 
     @router.get("/engine")
     async def engine(request: Request) -> EngineStatus:
-        return status(request)
+        return _status(gw, served, request)
 
     @router.post("/engine/attach")
     async def attach(request: Request) -> AttachResponse:
-        authorize(request, "attaching a run")
-        req: AttachRequest = body_of(AttachRequest, await json_object(request))
-        leases = book()
-        differs = req.model.mismatch(served())
-        if differs is not None:
-            raise BackendError(
-                409,
-                f"this engine serves {served().name}; the run's model is {req.model.name}, whose {differs} "
-                "differs: attach a run of the engine's model, or start an engine for this one "
-                "(bash launch.sh engine --config FILE)",
-                reason="model_mismatch",
-            )
-        if req.max_staleness > cfg.keep_versions:
-            raise BackendError(
-                409,
-                f"the run's rollout.max_staleness={req.max_staleness} needs {req.max_staleness} versions kept "
-                f"loaded; this engine keeps {cfg.keep_versions} (start it with inference.keep_versions="
-                f"{req.max_staleness} or lower the run's rollout.max_staleness)",
-                reason="engine_too_small",
-            )
-        try:
-            new_run = leases.attach(req.holder, req.who, time.monotonic())
-        except LeaseHeld as held:
-            raise BackendError(
-                409,
-                f"this engine is leased to {held.lease.who}; the lease lapses in {held.expires_in_s:.0f} s unless "
-                "that run renews it: wait for the run to end (or attach with --wait)",
-                reason="lease_held",
-                retry_after=max(1.0, held.expires_in_s),
-                detail={"expires_in_s": held.expires_in_s},
-            ) from None
+        _authorize(gw, request, "attaching a run")
+        req: AttachRequest = _body_of(AttachRequest, await json_object(request))
+        leases = _book(gw)
+        _refuse_unfit(req, served(), gw.cfg.keep_versions)
+        new_run = _grant(leases, req)
         unloaded: list[str] = []
         if new_run:
             unloaded = await start_run(gw, leases.runs - 1)  # the first run keeps the plain names
             log.info("run %d attached: %s (unloaded %s)", leases.runs, req.who, unloaded)
-        return AttachResponse(engine=status(None), new_run=new_run, unloaded=unloaded)
+        return AttachResponse(engine=_status(gw, served, None), new_run=new_run, unloaded=unloaded)
 
     @router.post("/engine/renew")
     async def renew(request: Request) -> dict[str, Any]:
-        authorize(request, "renewing a lease")
-        req: LeaseRequest = body_of(LeaseRequest, await json_object(request))
-        leases, now = book(), time.monotonic()
+        _authorize(gw, request, "renewing a lease")
+        req: LeaseRequest = _body_of(LeaseRequest, await json_object(request))
+        leases, now = _book(gw), time.monotonic()
         if not leases.renew(req.holder, now):
             lease = leases.current(now)
             held = "it lapsed" if lease is None else f"{lease.who} holds it now"
@@ -179,9 +192,9 @@ def engine_routes(gw: Any) -> APIRouter:
 
     @router.post("/engine/release")
     async def release(request: Request) -> dict[str, Any]:
-        authorize(request, "releasing a lease")
-        req: LeaseRequest = body_of(LeaseRequest, await json_object(request))
-        released = book().release(req.holder, time.monotonic())
+        _authorize(gw, request, "releasing a lease")
+        req: LeaseRequest = _body_of(LeaseRequest, await json_object(request))
+        released = _book(gw).release(req.holder, time.monotonic())
         if released:
             log.info("the engine's lease was released by its run")
         return {"released": released}

@@ -116,6 +116,36 @@ class Host(ServedModel, Protocol):
     def authorized(self, request: Request) -> bool: ...
 
 
+async def _load(gw: Host, name: str, path: str | None) -> NamedAdapterLoaded:
+    """Validate and load `path` under `name`; the same name and path again is a no-op, another path a 409."""
+    if name == BASE_TARGET:
+        raise BackendError(
+            400,
+            f"adapter name {name!r} is reserved for the base model (sampled at /eval/{BASE_TARGET}/... and by "
+            "/adapters/generate with adapter null); choose another name",
+        )
+    async with gw.publish_lock:  # one adapter load at a time, policies' and names' alike
+        known = gw.named.get(name)
+        if known is not None:
+            if known.adapter_path == path:
+                return NamedAdapterLoaded(name=name, lora_name=known.model_name, load_s=0.0, noop=True)
+            raise BackendError(
+                409,
+                f"adapter name {name!r} serves {known.adapter_path} already, not {path}: unload it first or "
+                "use a new name (reloading one name in place would reuse stale prefix-cache blocks)",
+            )
+        started = time.perf_counter()
+        assert path is not None
+        await asyncio.to_thread(gw.backend.validate_adapter, path)  # off the event loop (inference/app.py)
+        policy = gw.named.add(name, path)
+        try:
+            await gw.backend.load_adapter(policy)
+        except BackendError:
+            gw.named.remove(name)
+            raise
+    return NamedAdapterLoaded(name=name, lora_name=policy.model_name, load_s=time.perf_counter() - started)
+
+
 def named_routes(gw: Host) -> APIRouter:
     """Load, unload, list and sample named adapters. Loading and unloading need the publish token (off loopback);
     sampling is open like /generate."""
@@ -137,35 +167,7 @@ def named_routes(gw: Host) -> APIRouter:
             req = NamedAdapterLoad.model_validate(await json_object(request))
         except ValidationError as exc:
             raise BackendError(400, validation_message(exc)) from exc
-        name, path = check_name(req.name), resolved_path(req.adapter_path)
-        if name == BASE_TARGET:
-            raise BackendError(
-                400,
-                f"adapter name {name!r} is reserved for the base model (sampled at /eval/{BASE_TARGET}/... and by "
-                "/adapters/generate with adapter null); choose another name",
-            )
-        async with gw.publish_lock:  # one adapter load at a time, policies' and names' alike
-            known = named.get(name)
-            if known is not None:
-                if known.adapter_path == path:
-                    return NamedAdapterLoaded(name=name, lora_name=known.model_name, load_s=0.0, noop=True)
-                raise BackendError(
-                    409,
-                    f"adapter name {name!r} serves {known.adapter_path} already, not {path}: unload it first or "
-                    "use a new name (reloading one name in place would reuse stale prefix-cache blocks)",
-                )
-            started = time.perf_counter()
-            assert path is not None
-            await asyncio.to_thread(backend.validate_adapter, path)  # off the event loop (inference/app.py)
-            policy = named.add(name, path)
-            try:
-                await backend.load_adapter(policy)
-            except BackendError:
-                named.remove(name)
-                raise
-        return NamedAdapterLoaded(
-            name=name, lora_name=policy.model_name, load_s=time.perf_counter() - started
-        )
+        return await _load(gw, check_name(req.name), resolved_path(req.adapter_path))
 
     @router.post("/adapters/unload")
     async def unload(request: Request) -> dict[str, object]:

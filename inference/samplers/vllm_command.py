@@ -22,6 +22,35 @@ VLLM_LEGACY_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_GUARD_MIDDLEWARE = f"{KeyGuard.__module__}.{KeyGuard.__qualname__}"
 
 
+def has_vllm_cli() -> bool:
+    """Whether this interpreter has the `vllm` distribution, whose CLI `vllm serve` needs."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def optional_flags(cfg: GatewayConfig) -> list[str]:
+    """The flags only some settings add."""
+    v, argv = cfg.vllm, []
+    for flag, value in (
+        ("--max-model-len", v.max_model_len),
+        ("--gpu-memory-utilization", v.gpu_memory_utilization),
+        ("--kv-cache-memory-bytes", v.kv_cache_memory_bytes),
+        ("--logprobs-mode", v.logprobs_mode),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    if v.enforce_eager:
+        argv.append("--enforce-eager")
+    if vllm_platform(v.platform) == "cuda":
+        # Every request carries a LoRA (the base through base-zero-lora): graphs captured without one are never
+        # replayed, so capture one set instead of two.
+        argv += ["--compilation-config", json.dumps({"cudagraph_specialize_lora": False})]
+    return argv
+
+
 def build_vllm_command(
     cfg: GatewayConfig,
     model_path: str,
@@ -34,14 +63,10 @@ def build_vllm_command(
     only callers holding `api_key` on every route (in the environment, never on the command line where `ps` shows
     it; inference.samplers.vllm_guard reads it there).
     `serve_cli`: start it as `vllm serve MODEL` (None: where this interpreter has the `vllm` distribution)."""
-    if serve_cli is None:
-        try:
-            importlib.metadata.version("vllm")
-            serve_cli = True
-        except importlib.metadata.PackageNotFoundError:
-            serve_cli = False
     v = cfg.vllm
-    if serve_cli:  # the model comes first (--model is deprecated for `vllm serve`)
+    if (
+        serve_cli if serve_cli is not None else has_vllm_cli()
+    ):  # the model comes first (--model is deprecated for `vllm serve`)
         entry = ["-m", VLLM_SERVE_MODULE, "serve", model_path]
     else:
         entry = ["-m", VLLM_LEGACY_SERVER_MODULE, "--model", model_path]
@@ -70,21 +95,7 @@ def build_vllm_command(
         "--middleware",
         VLLM_GUARD_MIDDLEWARE,
     ]
-    if v.max_model_len is not None:
-        argv += ["--max-model-len", str(v.max_model_len)]
-    if v.gpu_memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", str(v.gpu_memory_utilization)]
-    if v.kv_cache_memory_bytes is not None:
-        argv += ["--kv-cache-memory-bytes", str(v.kv_cache_memory_bytes)]
-    if v.logprobs_mode is not None:
-        argv += ["--logprobs-mode", v.logprobs_mode]
-    if v.enforce_eager:
-        argv.append("--enforce-eager")
-    if vllm_platform(v.platform) == "cuda":
-        # Every request carries a LoRA (the base through base-zero-lora): graphs captured without one are never
-        # replayed, so capture one set instead of two.
-        argv += ["--compilation-config", json.dumps({"cudagraph_specialize_lora": False})]
-    argv += list(v.extra_args)
+    argv += optional_flags(cfg) + list(v.extra_args)
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_API_KEY": api_key}
     if v.model_runner != "auto":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v.model_runner == "v2" else "0"

@@ -212,7 +212,7 @@ def test_connections_left_for_a_dead_server_are_dropped_not_handed_to_its_succes
 def test_a_fresh_run_too_big_for_the_disk_is_warned_about_at_start(tmp_path, caplog):
     from types import SimpleNamespace
 
-    from trainer.training.loop import warn_if_disk_short
+    from trainer.training.recovery import warn_if_disk_short
 
     cfg = load_config(RunConfig, None, [f"trainer.output_dir={tmp_path}", "rollout.num_steps=100"])
     huge = SimpleNamespace(numel=lambda: 10**15, requires_grad=True)  # 4 PB of adapter per version

@@ -16,7 +16,7 @@ from trainer.backends.local import LocalBackend
 from trainer.training.checkpoints import LoopState, full_disk_is_one_error, read_latest
 from trainer.training.config import RunConfig, load_config
 from trainer.training.faults import DiskFull
-from trainer.training.loop import save_checkpoint
+from trainer.training.recovery import save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

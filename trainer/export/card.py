@@ -61,16 +61,7 @@ def _value(rows: list[dict[str, Any]], env: str, key: str) -> str:
     return f"{values[-1]:.4g}" if values else ""
 
 
-def model_card(
-    src: ExportSource,
-    merged: bool,
-    evals: list[dict[str, Any]],
-    licence: str | None,
-    revision: str,
-    facts: dict[str, Any] | None = None,
-) -> str:
-    cfg = src.config
-    lora, loss, rollout, optim = (cfg.get(k) or {} for k in ("lora", "loss", "rollout", "optim"))
+def _front_matter(src: ExportSource, merged: bool, licence: str | None) -> dict[str, Any]:
     front: dict[str, Any] = {
         "library_name": "transformers" if merged else "peft",
         "tags": ["reinforcement-learning", "lora", *(["merged"] if merged else [])],
@@ -81,11 +72,38 @@ def model_card(
         front["base_model"] = src.base.hub_id
     if licence:
         front["license"] = licence
+    return front
+
+
+def _training_lines(src: ExportSource) -> list[str]:
+    """The card's "Training" section: environments, steps, loss and LoRA settings as the run recorded them."""
+    cfg = src.config
+    lora, loss, rollout, optim = (cfg.get(k) or {} for k in ("lora", "loss", "rollout", "optim"))
     envs = environments(cfg)
     steps = f"{src.step} of {rollout.get('num_steps')}" if src.step is not None else "unknown"
+    return [
+        "## Training",
+        "",
+        f"- environments: {', '.join(envs) if envs else 'not recorded'}",
+        f"- steps: {steps}; {rollout.get('groups_per_step', '?')} groups of {rollout.get('group_size', '?')} "
+        "samples per step",
+        f"- loss: `{loss.get('name', '?')}` (reduction `{loss.get('reduction', '?')}`); learning rate "
+        f"{optim.get('lr', '?')}",
+        f"- LoRA: rank {lora.get('rank', '?')}, alpha {lora.get('alpha', '?')}, modules {lora.get('target_modules', '?')}",
+    ]
+
+
+def model_card(
+    src: ExportSource,
+    merged: bool,
+    evals: list[dict[str, Any]],
+    licence: str | None,
+    revision: str,
+    facts: dict[str, Any] | None = None,
+) -> str:
     lines = [
         "---",
-        yaml.safe_dump(front, sort_keys=False).rstrip(),
+        yaml.safe_dump(_front_matter(src, merged, licence), sort_keys=False).rstrip(),
         "---",
         "",
         f"# {src.base.name.split('/')[-1]} + RL LoRA, {src.label}",
@@ -95,14 +113,7 @@ def model_card(
         + (f" (revision `{src.base.revision}`)" if src.base.revision else "")
         + ".",
         "",
-        "## Training",
-        "",
-        f"- environments: {', '.join(envs) if envs else 'not recorded'}",
-        f"- steps: {steps}; {rollout.get('groups_per_step', '?')} groups of {rollout.get('group_size', '?')} "
-        "samples per step",
-        f"- loss: `{loss.get('name', '?')}` (reduction `{loss.get('reduction', '?')}`); learning rate "
-        f"{optim.get('lr', '?')}",
-        f"- LoRA: rank {lora.get('rank', '?')}, alpha {lora.get('alpha', '?')}, modules {lora.get('target_modules', '?')}",
+        *_training_lines(src),
     ]
     if facts:
         lines.append(f"- merged in {facts['merged_in']}, saved in {facts['dtype']}")

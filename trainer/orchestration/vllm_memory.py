@@ -104,16 +104,9 @@ class VLLMSettings:
         )
 
 
-def build_vllm_plan(
-    shape: ModelShape, cfg: RunConfig, v: VLLMSettings, gpu_bytes: int | None, on_cuda: bool = True
-) -> tuple[ProcessPlan, dict[str, int]]:
-    """vLLM's share of a GPU: inside its budget weights, LoRA slots (preallocated for max_loras adapters at
-    max_lora_rank in every linear layer), its profiling run's activations, its CUDA-graph estimate, an allowance,
-    and the KV cache that is left; outside it, the CUDA context."""
-    dtype = v.dtype if v.dtype != "auto" else str(shape.dtype or "bfloat16")
-    b = dtype_bytes(dtype)
-    plan = ProcessPlan()
-    plan.add(f"weights ({dtype})", shape.parameter_count() * b)
+def lora_slot(shape: ModelShape, cfg: RunConfig, v: VLLMSettings) -> tuple[int, str]:
+    """Values one of vLLM's LoRA slots preallocates (every linear layer at max_lora_rank, and every expert's on an
+    MoE model), and the plan's note on the slots."""
     shapes = shape.linear_shapes()
     slot_modules = [m for m in ALL_LINEAR] + (["lm_head"] if "lm_head" in lora_targets(cfg) else [])
 
@@ -127,6 +120,31 @@ def build_vllm_plan(
         e = shape.experts
         per_slot += e.layers * e.count * v.max_lora_rank * 3 * (shape.hidden + e.intermediate)
         note += f"; experts: {e.count} per layer in {e.layers} layers"
+    return per_slot, note
+
+
+def kv_budget(v: VLLMSettings, fixed: int, gpu_bytes: int | None) -> tuple[int, int]:
+    """(KV cache bytes, vLLM's budget): what kv_cache_memory_bytes sets, else the utilization share of the GPU less
+    what is fixed; (0, 0) with neither known."""
+    if v.kv_cache_memory_bytes is not None:
+        return v.kv_cache_memory_bytes, fixed + v.kv_cache_memory_bytes
+    if gpu_bytes is not None:
+        budget = int(gpu_bytes * (v.gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION))
+        return budget - fixed, budget
+    return 0, 0
+
+
+def build_vllm_plan(
+    shape: ModelShape, cfg: RunConfig, v: VLLMSettings, gpu_bytes: int | None, on_cuda: bool = True
+) -> tuple[ProcessPlan, dict[str, int]]:
+    """vLLM's share of a GPU: inside its budget weights, LoRA slots (preallocated for max_loras adapters at
+    max_lora_rank in every linear layer), its profiling run's activations, its CUDA-graph estimate, an allowance,
+    and the KV cache that is left; outside it, the CUDA context."""
+    dtype = v.dtype if v.dtype != "auto" else str(shape.dtype or "bfloat16")
+    b = dtype_bytes(dtype)
+    plan = ProcessPlan()
+    plan.add(f"weights ({dtype})", shape.parameter_count() * b)
+    per_slot, note = lora_slot(shape, cfg, v)
     plan.add("LoRA slots", v.max_loras * per_slot * b, note)
     big_gpu = gpu_bytes is not None and gpu_bytes >= 70 * GiB
     tokens = v.max_num_batched_tokens or (8192 if big_gpu else 2048)  # vLLM's server defaults (not A100s)
@@ -152,14 +170,7 @@ def build_vllm_plan(
     max_len = v.max_model_len or shape.max_positions or cfg.rollout.max_token_length
     one_seq = blocks(max_len) * per_token
     fixed = plan.total
-    if v.kv_cache_memory_bytes is not None:
-        kv = v.kv_cache_memory_bytes
-        budget = fixed + kv
-    elif gpu_bytes is not None:
-        budget = int(gpu_bytes * (v.gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION))
-        kv = budget - fixed
-    else:
-        kv, budget = 0, 0
+    kv, budget = kv_budget(v, fixed, gpu_bytes)
     kv_tokens = max(kv, 0) // (per_token * VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS  # whole blocks only
     if v.kv_cache_memory_bytes is not None or gpu_bytes is not None:
         note = f"{kv_tokens} tokens = {kv_tokens / blocks(max_len):.1f} x max_model_len {max_len}"

@@ -35,69 +35,85 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Rows may lack keys or hold None (a step without an update, a publish a stop cut short): each figure uses
     the rows that have it, and is None when none do."""
-
-    def med(key: str, among: list[dict[str, Any]] = rows) -> float | None:
-        values = numbers(among, key)
-        return statistics.median(values) if values else None
-
-    def total(key: str, among: list[dict[str, Any]] = rows) -> float:
-        return sum(numbers(among, key))
-
-    rewards = numbers(rows, "reward/mean")
-    step_total = total("time/step_s")
     updates = [r for r in rows if r.get("loss") is not None]
-    # None: a publish a stop cut short (the resume publishes that version again).
-    publishes = numbers(updates, "time/publish_s")
-    # A publish overlapped with the next batch's wait is off the trainer's path: only inline ones add to wall time.
-    inline_publish = total("time/publish_s", [r for r in updates if not r.get("time/publish_overlapped")])
-    verified = [r for r in updates if number(r, "publish/verify_s") is not None]
-    verify = numbers(verified, "publish/verify_s")
-    verified_publish = total("time/publish_s", verified)
-    taken = total("rollouts/sequences_taken")
-    reached = next((r for r in rows if (number(r, "reward/mean") or 0.0) >= 0.8), None)
-    staleness = numbers(rows, "policy/staleness_mean")
-    verify_diffs = numbers(updates, "publish/verify_max_abs_diff")
-    logprob_diffs = numbers(updates, "importance/logprob_diff_mean")
-    teacher_kl = numbers(rows, "distill/teacher_kl")
     return {
         "steps": len(rows),
         "updates": len(updates),
         "final_policy_version": int(_last(rows, "policy_version") or 0),
-        "step_s_median": med("time/step_s"),
-        "wait_s_median": med("time/wait_for_batch_s"),
-        "train_s_median": med("time/train_s"),
-        "publish_s_median": statistics.median(publishes) if publishes else None,
+        **_timing(rows, updates),
+        **_learning(rows, updates),
+        "wall_s": _wall_s(rows[-1]) if rows else None,
+    }
+
+
+def _timing(rows: list[dict[str, Any]], updates: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the wall time goes: steps, waits, training, publishing and its verification."""
+    step_total = sum(numbers(rows, "time/step_s"))
+    # None: a publish a stop cut short (the resume publishes that version again).
+    publishes = numbers(updates, "time/publish_s")
+    # A publish overlapped with the next batch's wait is off the trainer's path: only inline ones add to wall time.
+    inline_publish = sum(
+        numbers([r for r in updates if not r.get("time/publish_overlapped")], "time/publish_s")
+    )
+    verified = [r for r in updates if number(r, "publish/verify_s") is not None]
+    verify = numbers(verified, "publish/verify_s")
+    verified_publish = sum(numbers(verified, "time/publish_s"))
+    return {
+        "step_s_median": _median(numbers(rows, "time/step_s")),
+        "wait_s_median": _median(numbers(rows, "time/wait_for_batch_s")),
+        "train_s_median": _median(numbers(rows, "time/train_s")),
+        "publish_s_median": _median(publishes),
         "publish_s_p99": percentile(publishes, 0.99),
         "publish_overlapped_share": (
             sum(1 for r in updates if r.get("time/publish_overlapped")) / len(updates) if updates else None
         ),
         # The trainer's idle share: wall time spent neither training nor publishing on its own path.
         "idle_share": (
-            (step_total - total("time/train_s") - inline_publish) / step_total if step_total else None
+            (step_total - sum(numbers(rows, "time/train_s")) - inline_publish) / step_total
+            if step_total
+            else None
         ),
         "publish_share": inline_publish / step_total if step_total else None,
-        "verify_s_median": statistics.median(verify) if verify else None,
+        "verify_s_median": _median(verify),
         "verify_share_of_publish": sum(verify) / verified_publish if verify and verified_publish else None,
-        "verify_max_abs_diff_max": max(verify_diffs, default=None),
-        "reward_first3": statistics.fmean(rewards[:3]) if rewards else None,
-        "reward_last3": statistics.fmean(rewards[-3:]) if rewards else None,
-        "staleness_mean": statistics.fmean(staleness) if staleness else None,
-        "dropped_stale_total": total("rollouts/dropped_stale"),
-        "stale_fraction": total("rollouts/dropped_stale") / taken if taken else None,
+        "verify_max_abs_diff_max": max(numbers(updates, "publish/verify_max_abs_diff"), default=None),
+        "gateway_hold_s_median": _median(numbers(rows, "gateway/hold_s")),
+    }
+
+
+def _learning(rows: list[dict[str, Any]], updates: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rewards, staleness, what was dropped, and the distillation teacher's KL (None without a teacher)."""
+    rewards = numbers(rows, "reward/mean")
+    taken = sum(numbers(rows, "rollouts/sequences_taken"))
+    dropped = sum(numbers(rows, "rollouts/dropped_stale"))
+    reached = next((r for r in rows if (number(r, "reward/mean") or 0.0) >= 0.8), None)
+    teacher_kl = numbers(rows, "distill/teacher_kl")
+    return {
+        "reward_first3": _mean(rewards[:3]),
+        "reward_last3": _mean(rewards[-3:]),
+        "staleness_mean": _mean(numbers(rows, "policy/staleness_mean")),
+        "dropped_stale_total": dropped,
+        "stale_fraction": dropped / taken if taken else None,
         "steps_without_update": len(rows) - len(updates),
-        "gateway_hold_s_median": med("gateway/hold_s"),
         "step_reaching_reward_0.8": reached.get("step") if reached else None,
         "wall_s_to_reward_0.8": _wall_s(reached) if reached else None,
-        "logprob_diff_mean_max": max(logprob_diffs, default=None),
-        # distillation (None without a teacher): the reverse KL to the teacher at the start and the end
-        "teacher_kl_first3": statistics.fmean(teacher_kl[:3]) if teacher_kl else None,
-        "teacher_kl_last3": statistics.fmean(teacher_kl[-3:]) if teacher_kl else None,
-        "teacher_s_median": med("distill/teacher_s"),
-        "teacher_tokens_scored_total": total("distill/tokens_scored") if teacher_kl else None,
-        "wall_s": _wall_s(rows[-1]) if rows else None,
+        "logprob_diff_mean_max": max(numbers(updates, "importance/logprob_diff_mean"), default=None),
+        # the reverse KL to the teacher at the start and the end
+        "teacher_kl_first3": _mean(teacher_kl[:3]),
+        "teacher_kl_last3": _mean(teacher_kl[-3:]),
+        "teacher_s_median": _median(numbers(rows, "distill/teacher_s")),
+        "teacher_tokens_scored_total": sum(numbers(rows, "distill/tokens_scored")) if teacher_kl else None,
     }
 
 

@@ -343,6 +343,20 @@ class _Decoded:
     sequence_mask: list[float] | None
 
 
+def _check_vocabulary(values: np.ndarray, where: str, vocab_size: int) -> None:
+    bad = values[(values < 0) | (values >= vocab_size)]
+    if bad.size:
+        raise UserError(f"{where} has token id {int(bad[0])}, outside the vocabulary [0, {vocab_size})")
+
+
+def _check_required(loss: str, index: int, advantages: np.ndarray | None, sampler: np.ndarray | None) -> None:
+    """Every loss but cross_entropy needs advantages; the sampler-ratio losses need the sampler's logprobs."""
+    if loss != "cross_entropy" and advantages is None:
+        raise UserError(f"data[{index}]: loss_fn {loss!r} needs loss_fn_inputs['advantages']")
+    if loss in SAMPLER_LOSSES and sampler is None:
+        raise UserError(f"data[{index}]: loss_fn {loss!r} needs loss_fn_inputs['logprobs'] (the sampler's)")
+
+
 def to_example(
     datum: pb.Datum,
     index: int,
@@ -365,31 +379,18 @@ def to_example(
             f"data[{index}].loss_fn_inputs needs 'target_tokens' ({n} ids, one per model_input token)"
         )
     for name, values in (("model_input", np.asarray(ids)), ("target_tokens", targets)):
-        bad = values[(values < 0) | (values >= vocab_size)]
-        if bad.size:
-            raise UserError(
-                f"data[{index}].{name} has token id {int(bad[0])}, outside the vocabulary [0, {vocab_size})"
-            )
+        _check_vocabulary(values, f"data[{index}].{name}", vocab_size)
     weights = None if soft is not None else _vector(datum, "weights", index, n)
     sampler = _vector(datum, "logprobs", index, n)
     advantages = _vector(datum, "advantages", index, n)
     sequence_mask = _vector(datum, "sequence_ratio_mask", index, n) if loss.name == "gspo" else None
-    if loss.name != "cross_entropy" and advantages is None:
-        raise UserError(f"data[{index}]: loss_fn {loss.name!r} needs loss_fn_inputs['advantages']")
-    if loss.name in SAMPLER_LOSSES and sampler is None:
-        raise UserError(
-            f"data[{index}]: loss_fn {loss.name!r} needs loss_fn_inputs['logprobs'] (the sampler's)"
-        )
+    _check_required(loss.name, index, advantages, sampler)
     if loss.name == "gspo" and sequence_mask is None and sampler is not None and advantages is not None:
         # tinker-cookbook's RL loop sends none and hosted Tinker takes that: the sequence's sampled tokens are the
         # positions with a sampler logprob or an advantage (a prompt position has neither).
         sequence_mask = ((sampler != 0) | (advantages != 0)).astype(np.float32)
-    for key, given in (
-        ("weights", weights),
-        ("logprobs", sampler),
-        ("advantages", advantages),
-        ("sequence_ratio_mask", sequence_mask),
-    ):
+    vectors = (weights, sampler, advantages, sequence_mask)
+    for key, given in zip(("weights", "logprobs", "advantages", "sequence_ratio_mask"), vectors, strict=True):
         if given is not None and not np.isfinite(given).all():
             raise UserError(f"data[{index}].loss_fn_inputs[{key!r}] holds NaN or inf")
     if soft is not None:

@@ -10,7 +10,6 @@ version can lag the step count. Its parts live beside it: run-api's client (runa
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import sys
@@ -32,15 +31,7 @@ from trainer.training.batch import (
 )
 from trainer.training.checkpoints import (
     LoopState,
-    adapter_dir,
-    checkpoint_name,
-    disk_free,
-    failpoint,
-    folder_bytes,
     full_disk_is_one_error,
-    read_latest,
-    repair,
-    write_loop_state,
 )
 from trainer.training.config import RunConfig
 from trainer.training.distill import distill_examples
@@ -49,12 +40,21 @@ from trainer.training.gateway_client import ExpectResponse, GatewayClient, Polic
 from trainer.training.metrics_file import MetricsWriter
 from trainer.training.polling import wait_until
 from trainer.training.publishing import Publisher, PublishOutcome
+from trainer.training.recovery import (
+    TALLIED,
+    RunTally,
+    ensure_gateway_policy,
+    read_tally,
+    resume,
+    save_checkpoint,
+    warn_if_disk_short,
+)
 from trainer.training.refill import ShortRefill
 from trainer.training.retries import ComponentDown, describe
 from trainer.training.runapi_client import RunApi, Stopper, StopRequested, sampled_tokens, wait_for_batch
 from trainer.training.schedule import build_adam_params
 from trainer.training.staleness import StalenessSplit, split_by_staleness, versions_by_group
-from trainer.training.topup import Reserve
+from trainer.training.topup import Reserve, TopUp
 
 log = logging.getLogger("trainer.training.loop")
 
@@ -92,89 +92,141 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     publisher = Publisher(
         cfg, backend, gateway, overlap=cfg.publish.overlap and (gate or cfg.rollout.max_staleness >= 1)
     )
-    state = _resume(backend, publisher, run_dir)
+    state = resume(backend, publisher, run_dir)
     if state.step >= cfg.rollout.num_steps:
         log.info("the run is already at step %d of %d: nothing to do", state.step, cfg.rollout.num_steps)
         return True
     warn_if_disk_short(cfg, backend, run_dir, state)
-    quota = cfg.share_quota()
-    if quota:
-        # The quota from the first version on: environments start sampling once the trainer registers, and a
-        # mixed run's environment that started more than its share would keep a stale group queued for the run.
-        _close_gate(cfg, gateway, state.version)
-    quota_on = gateway.status().instance if quota else None  # the gateway process that holds the quota
-    api.register(state.step)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", cfg.launch.wandb, cfg)
-    intake = _intake_options(cfg, backend)
-    run = RunTally(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step)
-    pending: PendingStep | None = None
-    reserve = Reserve() if cfg.rollout.refill_zero_variance else None
-    shares = env_shares(cfg) if quota else None
-    refill = ShortRefill(shares, cfg.publish.gate_refill_s, api, gateway) if shares else None
-
-    def finish_pending(block: bool, stopping: bool = False) -> None:
-        """Write the overlapped step's row (and its checkpoint) once its publish is done: as soon as it is while
-        the next batch is awaited (`block` False), or now."""
-        nonlocal pending
-        if pending is not None and (block or pending.publish is None or pending.publish.done()):
-            done, pending = pending, None
-            _finish_step(
-                cfg, backend, metrics, run, done, state, api, run_dir, overlapped=True, stopping=stopping
-            )
-
-    def meanwhile() -> None:
-        """Before each poll for a batch: the overlapped step's row once its publish is done, a short refill."""
-        finish_pending(block=False)
-        if refill is not None:
-            refill()
-
+    steps = _Steps.start(cfg, backend, gateway, api, publisher, state, run_dir, stopper)
     try:
         while state.step < cfg.rollout.num_steps:
-            waiting_since = time.monotonic()
-            if refill is not None:
-                refill.waiting()
-            topped = (
-                None
-                if reserve is None
-                else reserve.fill(
-                    lambda: wait_for_batch(api, cfg.trainer.batch_poll_s, stopper, meanwhile),
-                    cfg.rollout.batch_size,
-                    cfg.rollout.refill_max_groups or cfg.rollout.groups_per_step,
-                )
-            )
-            groups = (
-                topped.groups if topped else wait_for_batch(api, cfg.trainer.batch_poll_s, stopper, meanwhile)
-            )
-            finish_pending(block=True)
-            served = _ensure_gateway_policy(gateway, publisher, run_dir, state)
-            if quota and not gate and served.instance != quota_on:  # a restarted gateway starts with no quota
-                _close_gate(cfg, gateway, state.version)
-                quota_on = served.instance
-            hold = _close_gate(cfg, gateway, state.version + 1) if gate else None
-            names = api.env_names(groups) if cfg.rollout.envs else None
-            pending = _one_step(
-                cfg, backend, gateway, publisher, intake, state, groups, StepTimes(waiting_since), hold, names
-            )
-            pending.row.update(_gate_row(served))
-            if cfg.rollout.envs:
-                pending.row.update(api.shortfalls())
-            if topped is not None:
-                pending.row.update(topped.row())
-            if not publisher.overlap:
-                _finish_step(cfg, backend, metrics, run, pending, state, api, run_dir)
-                pending = None
+            steps.step()
             stopper.check()
     except StopRequested:
         log.info("stopping at step %d", state.step)
     finally:
         if sys.exc_info()[0] in (None, StopRequested):
-            finish_pending(block=True, stopping=True)
+            steps.finish_pending(block=True, stopping=True)
         publisher.close()
-    if cfg.trainer.checkpoint_every and run.checkpointed != state.step:
+    if cfg.trainer.checkpoint_every and steps.tally.checkpointed != state.step:
         save_checkpoint(backend, run_dir, state)  # the end of the run, or a stop: nothing to redo on resume
-    metrics.close()
+    steps.metrics.close()
     gateway.close()
     return state.step >= cfg.rollout.num_steps
+
+
+@dataclass
+class _Steps:
+    """What the run's steps share, and one step: wait for a batch, close the gate for the next version, train on
+    what is fresh, publish (overlapped with the next wait where that is safe), write the row."""
+
+    cfg: RunConfig
+    backend: TrainingBackend
+    gateway: GatewayClient
+    api: RunApi
+    publisher: Publisher
+    state: LoopState
+    run_dir: Path
+    stopper: Stopper
+    metrics: MetricsWriter
+    tally: RunTally
+    intake: IntakeOptions
+    quota_on: str | None  # the gateway process that holds the share quota (None: the run has none)
+    reserve: Reserve | None  # zero-variance groups replaced from later batches
+    refill: ShortRefill | None  # a mixed run's environment short of its share is let through
+    pending: PendingStep | None = None  # the step whose publish overlaps the next wait
+
+    @classmethod
+    def start(
+        cls,
+        cfg: RunConfig,
+        backend: TrainingBackend,
+        gateway: GatewayClient,
+        api: RunApi,
+        publisher: Publisher,
+        state: LoopState,
+        run_dir: Path,
+        stopper: Stopper,
+    ) -> _Steps:
+        quota_on = None
+        if cfg.share_quota():
+            # The quota from the first version on: environments start sampling once the trainer registers, and a
+            # mixed run's environment that started more than its share would keep a stale group queued for the run.
+            _close_gate(cfg, gateway, state.version)
+            quota_on = gateway.status().instance
+        api.register(state.step)
+        shares = env_shares(cfg) if quota_on is not None else None
+        return cls(
+            cfg,
+            backend,
+            gateway,
+            api,
+            publisher,
+            state,
+            run_dir,
+            stopper,
+            MetricsWriter(run_dir / "metrics.jsonl", cfg.launch.wandb, cfg),
+            RunTally(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step),
+            _intake_options(cfg, backend),
+            quota_on,
+            Reserve() if cfg.rollout.refill_zero_variance else None,
+            ShortRefill(shares, cfg.publish.gate_refill_s, api, gateway) if shares else None,
+        )
+
+    def finish_pending(self, block: bool, stopping: bool = False) -> None:
+        """Write the overlapped step's row (and its checkpoint) once its publish is done: as soon as it is while
+        the next batch is awaited (`block` False), or now."""
+        done = self.pending
+        if done is not None and (block or done.publish is None or done.publish.done()):
+            self.pending = None
+            args = (self.metrics, self.tally, done, self.state, self.api, self.run_dir)
+            _finish_step(self.cfg, self.backend, *args, overlapped=True, stopping=stopping)
+
+    def meanwhile(self) -> None:
+        """Before each poll for a batch: the overlapped step's row once its publish is done, a short refill."""
+        self.finish_pending(block=False)
+        if self.refill is not None:
+            self.refill()
+
+    def batch(self) -> tuple[list[Any], TopUp | None]:
+        """The step's groups: run-api's next batch, or one topped up past its zero-variance groups."""
+        if self.refill is not None:
+            self.refill.waiting()
+
+        def fetch() -> list[Any]:
+            return wait_for_batch(self.api, self.cfg.trainer.batch_poll_s, self.stopper, self.meanwhile)
+
+        if self.reserve is None:
+            return fetch(), None
+        r = self.cfg.rollout
+        topped = self.reserve.fill(fetch, r.batch_size, r.refill_max_groups or r.groups_per_step)
+        return topped.groups, topped
+
+    def step(self) -> None:
+        cfg, gateway, state = self.cfg, self.gateway, self.state
+        waiting_since = time.monotonic()
+        groups, topped = self.batch()
+        self.finish_pending(block=True)
+        served = ensure_gateway_policy(gateway, self.publisher, self.run_dir, state)
+        gate = cfg.publish.gate_on(cfg.rollout.max_staleness)
+        if self.quota_on is not None and not gate and served.instance != self.quota_on:
+            _close_gate(cfg, gateway, state.version)  # a restarted gateway starts with no quota
+            self.quota_on = served.instance
+        hold = _close_gate(cfg, gateway, state.version + 1) if gate else None
+        names = self.api.env_names(groups) if cfg.rollout.envs else None
+        times = StepTimes(waiting_since)
+        pending = _one_step(
+            cfg, self.backend, gateway, self.publisher, self.intake, state, groups, times, hold, names
+        )
+        pending.row.update(_gate_row(served))
+        if cfg.rollout.envs:
+            pending.row.update(self.api.shortfalls())
+        if topped is not None:
+            pending.row.update(topped.row())
+        if self.publisher.overlap:
+            self.pending = pending
+        else:
+            _finish_step(cfg, self.backend, self.metrics, self.tally, pending, state, self.api, self.run_dir)
 
 
 def _gateway_client(cfg: RunConfig, logs: Path) -> GatewayClient:
@@ -242,35 +294,6 @@ def env_shares(cfg: RunConfig) -> dict[str, int] | None:
     groups), which the gate's quota holds each environment to per version (named by its bearer key)."""
     r = cfg.rollout
     return {spec.name: spec.batch_sequences(r.batch_size) for spec in r.env_specs()} if r.envs else None
-
-
-@dataclass
-class RunTally:
-    """What the run's rows add up to so far (restored from metrics.jsonl on resume)."""
-
-    totals: dict[str, float]
-    started: float
-    checkpointed: int
-
-
-TALLIED = ("rollouts/sequences_taken", "rollouts/dropped_stale")
-
-
-def read_tally(path: Path) -> dict[str, float]:
-    """Sums of the tallied metrics over the rows already written (the rows a resume keeps)."""
-    totals = dict.fromkeys(TALLIED, 0.0)
-    if not path.exists():
-        return totals
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        for key in TALLIED:
-            value = row.get(key)
-            if isinstance(value, int | float):
-                totals[key] += value
-    return totals
 
 
 @dataclass
@@ -368,83 +391,6 @@ def with_teacher(
     return out, metrics
 
 
-def save_checkpoint(backend: TrainingBackend, run_dir: Path, state: LoopState) -> None:
-    """Backend state, then loop state, then `latest`: until `latest` moves, the previous checkpoint is the one a
-    resume loads (a full disk midway leaves it so)."""
-    backend.save_state(checkpoint_name(state.step))
-    failpoint("checkpoint-renamed")
-    write_loop_state(run_dir, state)
-    log.info("checkpoint at step %d (policy version %d)", state.step, state.version)
-
-
-def warn_if_disk_short(cfg: RunConfig, backend: TrainingBackend, run_dir: Path, state: LoopState) -> None:
-    """Warn at start when the disk cannot hold the checkpoints and adapters the rest of the run will write (sizes
-    from those already on disk; on a fresh local run, from the trainable parameters at 4 bytes each)."""
-    steps_left = cfg.rollout.num_steps - state.step
-    adapters = sorted((run_dir / "adapters").glob("v[0-9]*"))
-    ckpt = read_latest(run_dir)
-    model = getattr(backend, "model", None)  # the local backend's PEFT model; Tinker keeps its weights remote
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else 0
-    adapter_bytes = folder_bytes(adapters[-1]) if adapters else 4 * trainable
-    ckpt_bytes = folder_bytes(ckpt[0]) if ckpt else 3 * adapter_bytes  # adapter + two Adam moments
-    every = cfg.trainer.checkpoint_every
-    need = steps_left * adapter_bytes + (steps_left // every + 1 if every else 0) * ckpt_bytes
-    free = disk_free(run_dir)
-    if need > free:
-        log.warning(
-            "%s has %d bytes free; the remaining %d steps will write about %d bytes of adapters and checkpoints",
-            run_dir,
-            free,
-            steps_left,
-            need,
-        )
-
-
-def _resume(backend: TrainingBackend, publisher: Publisher, run_dir: Path) -> LoopState:
-    """Repair the run folder after whatever stopped the last trainer, load the newest complete checkpoint (if
-    any), and make its adapter the gateway's current policy, retracting versions published after it."""
-    fixed = repair(run_dir)
-    for path in fixed.swept:
-        log.info("removed an interrupted write: %s", path)
-    state = fixed.state or LoopState()
-    if fixed.checkpoint is not None:
-        backend.load_state(str(fixed.checkpoint))
-        log.info(
-            "resumed from %s at step %d (policy version %d)", fixed.checkpoint, state.step, state.version
-        )
-    if fixed.metrics_rows_dropped:
-        log.info(
-            "dropped %d metrics rows after step %d: they are redone", fixed.metrics_rows_dropped, state.step
-        )
-    adapter: str | None = None
-    if state.version > 0:
-        saved = adapter_dir(run_dir, state.version)
-        adapter = str(saved) if saved.exists() else backend.save_for_sampler(state.version)
-    reply = publisher.republish(state.version, adapter)
-    if reply.retracted:
-        log.warning("the gateway retracted versions %s of the interrupted run", reply.retracted)
-    return state
-
-
-def _ensure_gateway_policy(
-    gateway: GatewayClient, publisher: Publisher, run_dir: Path, state: LoopState
-) -> PolicyStatus:
-    """A gateway restarted by the launcher serves the base model: publish the trainer's version again. Returns the
-    gateway's status as read before any publish."""
-    status = gateway.status()
-    if status.current_version == state.version:
-        return status
-    log.warning(
-        "the gateway serves version %d, the trainer is at %d (the gateway was restarted): publishing %d again",
-        status.current_version,
-        state.version,
-        state.version,
-    )
-    adapter = str(adapter_dir(run_dir, state.version)) if state.version > 0 else None
-    publisher.republish(state.version, adapter)
-    return status
-
-
 @dataclass
 class StepTimes:
     started: float  # waiting for the batch began
@@ -483,16 +429,7 @@ def _one_step(
     publish: Future[PublishOutcome] | None = None
     version: int | None = None
     if converted.examples:
-        examples = converted.examples
-        if cfg.distill.on:
-            examples, distilled = with_teacher(cfg, backend, examples)
-            train.update(distilled)
-        adam = build_adam_params(backend.step, cfg.optim)
-        # The means divide by the whole batch taken: zero-variance groups count, as in GRPO's mean (BatchScale).
-        scale = converted.scale()
-        fb, optim = backend.train_step(examples, cfg.loss_params(), cfg.loss.reduction, adam, scale)
-        train.update({"loss": fb.loss, **optim})
-        train.update({k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS})
+        train.update(_train(cfg, backend, converted))
         times.trained = time.monotonic()
         publish = publisher.start(state.version + 1)
         version = state.version + 1
@@ -515,6 +452,20 @@ def _one_step(
     if hold is not None and publish is None:
         row["gateway/hold_s"], row["gateway/held_requests"] = hold.hold_s, float(hold.held_requests)
     return PendingStep(row, times, publish, version)
+
+
+def _train(cfg: RunConfig, backend: TrainingBackend, converted: ConvertedBatch) -> dict[str, Any]:
+    """One optimizer step on the batch's examples (scored by the teacher when distilling): the row's figures."""
+    examples, train = converted.examples, {}
+    if cfg.distill.on:
+        examples, distilled = with_teacher(cfg, backend, examples)
+        train.update(distilled)
+    adam = build_adam_params(backend.step, cfg.optim)
+    # The means divide by the whole batch taken: zero-variance groups count, as in GRPO's mean (BatchScale).
+    fb, optim = backend.train_step(examples, cfg.loss_params(), cfg.loss.reduction, adam, converted.scale())
+    train.update({"loss": fb.loss, **optim})
+    train.update({k: v for k, v in fb.metrics.items() if k in NO_UPDATE_KEYS})
+    return train
 
 
 def _metrics_row(

@@ -187,9 +187,8 @@ def assert_distills_from(teacher: Path, run_dir: Path, engine: Any) -> None:
     """On-policy distillation from the finished run above (its newest adapter is the teacher): a fresh float32
     student with no reward in its loss moves to the teacher and learns the task it never got a reward for."""
     # On-policy (max_staleness 0, the gate on): distill.loss's default, ppo, is then importance_sampling (ratio 1),
-    # which fell fast and never went wrong in the runs measured (19.7 -> 0.65 at step 15, 0.1 at 22). At the recipe's
-    # max_staleness 1, ppo's clip (needed there: docs/training.md) binds on most tokens early at the toy's lr 1e-2:
-    # a 40-step leg fell 3.9x only in a CI run (KL 16.3 -> 18.6 by step 7, clip fraction up to 0.94, 4.1 at step 40).
+    # the fast and stable case; at max_staleness 1 ppo's clip binds on most tokens early at the toy's lr 1e-2
+    # (docs/training.md, "Which loss").
     overrides = [
         "distill.reward_coef=0",
         "eval.every_steps=1000",

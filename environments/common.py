@@ -5,6 +5,7 @@ nothing here talks to the trainer."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import math
@@ -19,13 +20,45 @@ from typing import Any, ClassVar
 
 import httpx
 from atroposlib.envs.base import APIServerConfig, BaseEnv, ScoredDataGroup
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from environments.evaluation import eval_metrics, run_items
+from rlcommon.timeouts import model_call_timeout_s
 
 log = logging.getLogger("environments")
 
 WANDB_LOG_FILE = "wandb_log.jsonl"
+
+
+class ModelCallSettings(BaseModel):
+    """The timeout of an environment's own model client (the verifiers runners'), which the launcher sets from the
+    run's gate hold and gateway request timeout."""
+
+    request_timeout_s: float = Field(
+        model_call_timeout_s(),
+        gt=0,
+        description="how long one model call through the gateway may take: publish.gate_hold_s, then "
+        "inference.request_timeout_s, plus slack (the launcher passes the run's)",
+    )
+
+
+def verifiers_preflight_start(flags: dict[str, str], module: str, what: str) -> tuple[str, Any, list[str]]:
+    """The start of a verifiers runner's pre-flight: the environment's name, its arguments, and what is wrong so far
+    (arguments that are not JSON; `module` not importable here, for `what` kind of environment)."""
+    name = flags.get("vf_env", "")
+    try:
+        args = json.loads(flags.get("vf_env_args", "{}"))
+    except json.JSONDecodeError as exc:
+        return name, None, [f"rollout.env_args of {name!r} are not JSON: {exc}"]
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return (
+            name,
+            args,
+            [f"{module} is not importable here ({exc}); launch.sh builds its venv when {what} is named"],
+        )
+    return name, args, []
 
 
 def gateway_servers() -> list[APIServerConfig]:
@@ -62,6 +95,24 @@ class ResumableData(BaseEnv):
     data_position: tuple[str, ...] = ()  # attributes that hold the place, e.g. ("index",)
     # Set by run_cli's `evaluate` command: setup() may skip what only training needs (gsm8k's training split).
     evaluate_only: ClassVar[bool] = False
+    # config_init's defaults, which the launcher's --env.* flags override.
+    default_group_size: ClassVar[int] = 8
+    default_max_token_length: ClassVar[int] = 2048
+
+    @classmethod
+    def config_init(cls) -> tuple[Any, list[APIServerConfig]]:
+        """The environment's config (named after it, no W&B, no Atropos-side eval) and the gateway as its server.
+        ensure_scores_are_not_same is off: equal-reward groups reach the trainer, which counts and skips them, so
+        reward/mean is the reward of every rollout, not of the mixed groups only."""
+        env = cls.env_config_cls(
+            wandb_name=cls.name,
+            group_size=cls.default_group_size,
+            use_wandb=False,
+            steps_per_eval=0,
+            max_token_length=cls.default_max_token_length,
+            ensure_scores_are_not_same=False,
+        )
+        return env, gateway_servers()
 
     def _position_folder(self) -> Path:
         return Path(self.checkpoint_dir) / "env_checkpoints" / str(self.config.wandb_name)

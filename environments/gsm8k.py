@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from atroposlib.envs.base import APIServerConfig, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
 
 from environments.common import (
@@ -25,7 +25,6 @@ from environments.common import (
     completion_ids,
     eval_max_new_tokens,
     evaluate_items,
-    gateway_servers,
     group_from_nodes,
     hub_reachable,
     run_cli,
@@ -140,19 +139,7 @@ class GSM8KEnv(ResumableData):
     data_position = ("index",)
     env_config_cls = GSM8KConfig  # type: ignore[assignment]
 
-    @classmethod
-    def config_init(cls) -> tuple[GSM8KConfig, list[APIServerConfig]]:
-        # ensure_scores_are_not_same off: all-equal groups reach the trainer, which counts and skips them, so
-        # reward/mean is the reward of every rollout, not of the mixed groups only.
-        env = GSM8KConfig(
-            wandb_name="gsm8k",
-            group_size=16,
-            use_wandb=False,
-            steps_per_eval=0,
-            max_token_length=2048,
-            ensure_scores_are_not_same=False,
-        )
-        return env, gateway_servers()
+    default_group_size = 16
 
     async def setup(self) -> None:
         cfg: Any = self.config

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from atroposlib.envs.base import APIServerConfig, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
 
 from environments.common import (
@@ -22,7 +22,6 @@ from environments.common import (
     completion_ids,
     eval_max_new_tokens,
     evaluate_items,
-    gateway_servers,
     group_from_nodes,
     run_cli,
 )
@@ -91,17 +90,7 @@ class ToyEnv(ResumableData):
     data_position = ("next_index",)
     env_config_cls = ToyEnvConfig  # type: ignore[assignment]
 
-    @classmethod
-    def config_init(cls) -> tuple[ToyEnvConfig, list[APIServerConfig]]:
-        env = ToyEnvConfig(
-            wandb_name="toy",
-            group_size=8,
-            use_wandb=False,
-            steps_per_eval=0,
-            max_token_length=256,
-            ensure_scores_are_not_same=False,
-        )
-        return env, gateway_servers()
+    default_max_token_length = 256
 
     async def setup(self) -> None:
         cfg: Any = self.config

@@ -27,7 +27,7 @@ import uvicorn
 
 from inference.app import SamplingBackend, create_app
 from inference.config import GatewayConfig, GatewayConfigError, load_gateway_config
-from inference.http.named import NamedAdapters
+from inference.http.named_adapters import NamedAdapters
 from inference.policy.registry import Policy, PolicyRegistry
 from inference.samplers.replicas import ReplicaSet
 from inference.samplers.vllm import VLLMBackend, free_port

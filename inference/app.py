@@ -26,10 +26,9 @@ from fastapi.responses import JSONResponse
 from inference.config import GatewayConfig
 from inference.errors import BackendError, Reason, default_reason
 from inference.http.accounting import LogLimiter, RequestAccounting, RequestStats
-from inference.http.bodies import check_backend_up, generate_answer, read_generate, read_openai, scores_prompt
+from inference.http.body_guard import BodyGuard, in_body_thread
 from inference.http.engine import engine_routes
 from inference.http.evalroutes import eval_routes
-from inference.http.guard import BodyGuard, in_body_thread
 from inference.http.intake import (
     request_env,
     resolved_path,
@@ -37,9 +36,16 @@ from inference.http.intake import (
     until_disconnect,
     validation_message,
 )
-from inference.http.named import NamedAdapters, named_routes
-from inference.http.tokenin import tokenin_routes
-from inference.http.tokens import token_routes
+from inference.http.named_adapters import NamedAdapters, named_routes
+from inference.http.sampling_bodies import (
+    check_backend_up,
+    generate_answer,
+    read_generate,
+    read_openai,
+    scores_prompt,
+)
+from inference.http.token_in_generate import token_in_generate_routes
+from inference.http.tokenize_chat import tokenize_chat_routes
 from inference.http.trainer_routes import trainer_routes
 from inference.policy.gate import Gate
 from inference.policy.lease import LeaseBook
@@ -47,7 +53,7 @@ from inference.policy.probe_check import (
     margin,
 )
 from inference.policy.registry import Policy, PolicyRegistry, Recorded, VersionLedger
-from inference.samplers.lanes import SoloLane, scoring_runs_alone
+from inference.samplers.solo_lane import SoloLane, scoring_runs_alone
 from inference.verification import PublishVerifier
 from inference.wire import (
     PublishRequest,
@@ -109,13 +115,15 @@ class Gateway:
         self.registry = registry
         self.named = (
             named or NamedAdapters()
-        )  # the Tinker-protocol service's adapters (inference/http/named.py)
+        )  # the Tinker-protocol service's adapters (inference/http/named_adapters.py)
         self.ledger = VersionLedger(cfg.ledger_size, registry.timeline)
         self.instance = secrets.token_hex(8)  # tells a client this gateway from one restarted since
         self.vocab_size = vocab_size
         self.publish_lock = asyncio.Lock()
         self.cleanup_lock = asyncio.Lock()
-        self.lane = SoloLane(scoring_runs_alone(cfg))  # prompt scoring alone in vLLM where it must (lanes.py)
+        self.lane = SoloLane(
+            scoring_runs_alone(cfg)
+        )  # prompt scoring alone in vLLM where it must (solo_lane.py)
         # Holds new requests while the trainer publishes the next version (inference/policy/gate.py).
         self.gate = Gate(lambda: registry.in_flight().get(registry.current.version, 0))
         self.stats = RequestStats()
@@ -175,7 +183,7 @@ class Gateway:
     ) -> tuple[Any, Policy]:
         """Run a backend call on the current policy, keeping that policy loaded until the call returns. With the
         client's `request`, the call is cancelled (and vLLM aborts its work) when the client goes away; `solo`
-        runs it alone in the engine (inference/samplers/lanes.py). A route that knows its prompt's token ids
+        runs it alone in the engine (inference/samplers/solo_lane.py). A route that knows its prompt's token ids
         before sampling passes them as `prompt_ids`: a prompt that continues an episode (it starts with a turn the
         ledger recorded) passes the on-policy gate and its quota and is sampled on the version that sampled that
         turn while it is loaded (inference/policy/gate.py). Under a quota the prompt (`prompt`, else the token
@@ -275,7 +283,7 @@ class Gateway:
             )
             retracted = self.registry.make_current(policy)
             load_s = time.perf_counter() - started
-            spell = self._open_gate_if_due(req, new_version=True)
+            closing = self._open_gate_if_due(req, new_version=True)
         unloaded = await self.unload_stale()
         log.info(
             "published version %d as %s in %.3fs (retracted %s, unloaded %s%s%s)",
@@ -286,9 +294,9 @@ class Gateway:
             unloaded,
             "" if check is None else f"; verified: {check.describe()}",
             ""
-            if spell is None
-            else f"; held {spell.held_requests} request(s) for {spell.closed_s:.3f}s and let "
-            f"{spell.continuations} episode continuation(s) through",
+            if closing is None
+            else f"; held {closing.held_requests} request(s) for {closing.closed_s:.3f}s and let "
+            f"{closing.continuations} episode continuation(s) through",
         )
         return PublishResponse(
             version=req.version,
@@ -296,8 +304,8 @@ class Gateway:
             load_s=load_s,
             unloaded=unloaded,
             retracted=[p.version for p in retracted],
-            hold_s=0.0 if spell is None else spell.closed_s,
-            held_requests=0 if spell is None else spell.held_requests,
+            hold_s=0.0 if closing is None else closing.closed_s,
+            held_requests=0 if closing is None else closing.held_requests,
             verify_max_abs_diff=None if check is None else check.max_abs_diff,
             verify_mean_abs_diff=None if check is None else check.mean_abs_diff,
             verify_tolerance=None if check is None else check.tolerance,
@@ -381,8 +389,8 @@ def create_app(
     app.include_router(trainer_routes(gw))
     app.include_router(named_routes(gw))
     app.include_router(eval_routes(gw))
-    app.include_router(tokenin_routes(gw))
-    app.include_router(token_routes(gw))
+    app.include_router(token_in_generate_routes(gw))
+    app.include_router(tokenize_chat_routes(gw))
     app.include_router(engine_routes(gw))
     return app
 

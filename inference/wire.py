@@ -459,7 +459,7 @@ class PolicyStatus(BaseModel):
 
 
 class NamedAdapterLoad(BaseModel):
-    """POST /adapters/load: serve the PEFT folder `adapter_path` under `name` (inference/http/named.py)."""
+    """POST /adapters/load: serve the PEFT folder `adapter_path` under `name` (inference/http/named_adapters.py)."""
 
     model_config = ConfigDict(extra="forbid")
     name: str

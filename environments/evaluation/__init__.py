@@ -16,6 +16,8 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, Field, model_validator
 
+from rlcommon.pass_at_k import greedy_pass_at_k_problem
+
 log = logging.getLogger("environments.evaluation")
 
 T = TypeVar("T")
@@ -36,12 +38,9 @@ class EvalSettings(BaseModel):
 
     @model_validator(mode="after")
     def _sampled_when_several(self) -> EvalSettings:
-        if self.eval_k > 1 and self.eval_temperature == 0.0:
-            raise ValueError(
-                f"eval_k={self.eval_k} with eval_temperature=0: greedy samples of one prompt are identical, so "
-                "pass@k would equal pass@1; set eval_temperature > 0 (e.g. 1.0) for pass@k, or eval_k=1 for greedy "
-                "pass@1"
-            )
+        problem = greedy_pass_at_k_problem(self.eval_k, self.eval_temperature, "eval_k", "eval_temperature")
+        if problem:
+            raise ValueError(problem)
         return self
 
 

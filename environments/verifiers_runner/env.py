@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import verifiers as vf
-from atroposlib.envs.base import APIServerConfig, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnvConfig, ScoredDataGroup
 from openai import APIStatusError, AsyncOpenAI
 from pydantic import Field
 
-from environments.common import ResumableData, Sampled, eval_max_new_tokens, evaluate_items, gateway_servers
+from environments.common import ModelCallSettings, ResumableData, Sampled, eval_max_new_tokens, evaluate_items
 from environments.evaluation import EvalSettings
 from environments.verifiers_runner import compat
 from environments.verifiers_runner.trajectory import (
@@ -45,8 +45,6 @@ from environments.verifiers_runner.trajectory import (
 
 log = logging.getLogger("environments.verifiers")
 
-# The gateway may hold a request behind the on-policy gate (publish.gate_hold_s, 120 s) or while vLLM restarts.
-REQUEST_TIMEOUT_S = 600.0
 REQUEST_RETRIES = 5
 
 
@@ -54,7 +52,7 @@ REQUEST_RETRIES = 5
 PASS_REWARD = 0.5
 
 
-class VerifiersEnvConfig(BaseEnvConfig, EvalSettings):
+class VerifiersEnvConfig(BaseEnvConfig, EvalSettings, ModelCallSettings):
     vf_env: str = Field(
         "",
         description="the verifiers environment: an installed environment id (as vf.load_environment resolves it) "
@@ -112,18 +110,6 @@ class VerifiersEnv(ResumableData):
     data_position = ("next_index",)
     env_config_cls = VerifiersEnvConfig  # type: ignore[assignment]
 
-    @classmethod
-    def config_init(cls) -> tuple[VerifiersEnvConfig, list[APIServerConfig]]:
-        env = VerifiersEnvConfig(
-            wandb_name="verifiers",
-            group_size=8,
-            use_wandb=False,
-            steps_per_eval=0,
-            max_token_length=2048,
-            ensure_scores_are_not_same=False,
-        )
-        return env, gateway_servers()
-
     async def setup(self) -> None:
         cfg: Any = self.config
         self.vf_env = load_environment(cfg.vf_env, env_args(cfg), cfg.tokenizer_name)
@@ -136,7 +122,7 @@ class VerifiersEnv(ResumableData):
         openai = AsyncOpenAI(
             base_url=server.base_url,
             api_key=server.api_key or "local",
-            timeout=REQUEST_TIMEOUT_S,
+            timeout=cfg.request_timeout_s,
             max_retries=REQUEST_RETRIES,
         )
         self.model = server.model_name

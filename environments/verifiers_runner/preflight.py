@@ -10,17 +10,11 @@ PREFLIGHT_ROWS = 3
 
 
 def preflight(flags: dict[str, str]) -> list[str]:
-    name = flags.get("vf_env", "")
-    try:
-        args = json.loads(flags.get("vf_env_args", "{}"))
-    except json.JSONDecodeError as exc:
-        return [f"rollout.env_args of {name!r} are not JSON: {exc}"]
-    try:
-        import verifiers  # noqa: F401
-    except ImportError as exc:
-        return [
-            f"verifiers is not importable here ({exc}); launch.sh builds its venv when a vf: environment is named"
-        ]
+    from environments.common import verifiers_preflight_start
+
+    name, args, problems = verifiers_preflight_start(flags, "verifiers", "a vf: environment")
+    if problems:
+        return problems
     from environments.verifiers_runner.env import load_environment
 
     try:

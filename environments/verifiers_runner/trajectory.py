@@ -52,24 +52,28 @@ def check_turn(turn: Turn, where: str) -> None:
     if not turn.prompt_ids:
         raise TrajectoryError(f"{where}: empty prompt_token_ids")
     for name, ids in (("prompt_token_ids", turn.prompt_ids), ("token_ids", turn.completion_ids)):
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0), None)
-        if bad is not None:
-            raise TrajectoryError(f"{where}: {name} holds {bad!r}, not a token id")
+        check_token_ids(ids, f"{where}: {name}")
     if len(turn.completion_logprobs) != len(turn.completion_ids):
         raise TrajectoryError(
             f"{where}: {len(turn.completion_ids)} sampled token ids but {len(turn.completion_logprobs)} logprobs; "
             "the sampler must return one logprob per sampled token (logprobs=true)"
         )
-    bad_lp = next(
-        (
-            lp
-            for lp in turn.completion_logprobs
-            if not isinstance(lp, int | float) or not math.isfinite(lp) or lp > 0
-        ),
-        None,
+    check_sampler_logprobs(turn.completion_logprobs, where)
+
+
+def check_token_ids(ids: Sequence[Any], what: str) -> None:
+    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0), None)
+    if bad is not None:
+        raise TrajectoryError(f"{what} holds {bad!r}, not a token id")
+
+
+def check_sampler_logprobs(logprobs: Sequence[Any], where: str) -> None:
+    """A sampler logprob is a finite number, at most 0."""
+    bad = next(
+        (lp for lp in logprobs if not isinstance(lp, int | float) or not math.isfinite(lp) or lp > 0), None
     )
-    if bad_lp is not None:
-        raise TrajectoryError(f"{where}: sampler logprob {bad_lp!r} is not a finite number <= 0")
+    if bad is not None:
+        raise TrajectoryError(f"{where}: sampler logprob {bad!r} is not a finite number <= 0")
 
 
 def build_sequence(turns: Sequence[Turn]) -> Built:

@@ -21,8 +21,7 @@ import verifiers.v1 as vf
 from openai import AsyncOpenAI
 from verifiers.v1.dialects.chat import message_to_wire
 
-# The gateway may hold a request behind the on-policy gate (publish.gate_hold_s) or while vLLM restarts.
-REQUEST_TIMEOUT_S = 600.0
+from rlcommon.timeouts import CLIENT_SLACK_S, model_call_timeout_s
 
 
 class ChatHarnessConfig(vf.HarnessConfig):
@@ -51,7 +50,9 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt is not None:
             messages += [message_to_wire(m) for m in prompt]
-        async with AsyncOpenAI(base_url=endpoint, api_key=secret, timeout=REQUEST_TIMEOUT_S) as client:
+        # The interception server answers once the run's client has the gateway's answer: wait that long, and more.
+        timeout = (ctx.client.timeout.read or model_call_timeout_s()) + CLIENT_SLACK_S
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, timeout=timeout) as client:
             # The interception server records the call on `trace` (tokens included) and answers it.
             await client.chat.completions.create(model=ctx.model, messages=messages)  # type: ignore[arg-type]
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")

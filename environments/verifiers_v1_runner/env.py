@@ -5,7 +5,7 @@ each group's episodes and scores them with the taskset's rewards. Runs in the v1
 
 The exact tokens: the episodes' model calls go to verifiers' training client (TrainClientConfig), which renders each
 prompt to ids with the run's tokenizer (the `renderers` package) and posts them to the gateway's token-in route
-(`/inference/v1/generate`, inference/http/tokenin.py); the gateway samples them under the current policy and records
+(`/inference/v1/generate`, inference/http/token_in_generate.py); the gateway samples them under the current policy and records
 the answer in its version ledger. verifiers keeps the ids, mask and logprobs on the trace's message graph, which
 environments.verifiers_v1_runner.trajectory turns into the sequences run-api receives.
 
@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import verifiers.v1 as vf
-from atroposlib.envs.base import APIServerConfig, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
+from verifiers.v1.configs.client import ClientTimeoutConfig
 
-from environments.common import ResumableData, Sampled, eval_max_new_tokens, evaluate_items, gateway_servers
+from environments.common import ModelCallSettings, ResumableData, Sampled, eval_max_new_tokens, evaluate_items
 from environments.evaluation import EvalSettings
 from environments.verifiers_runner.trajectory import Built, TrajectoryError, scored_group
 from environments.verifiers_v1_runner.trajectory import NodeTokens, build_branch
@@ -42,7 +43,7 @@ HARNESS_ARG = "harness"
 PASS_REWARD = 0.5
 
 
-class VerifiersV1EnvConfig(BaseEnvConfig, EvalSettings):
+class VerifiersV1EnvConfig(BaseEnvConfig, EvalSettings, ModelCallSettings):
     vf_env: str = Field(
         "",
         description="the verifiers v1 taskset: a path to a .py module that defines it (its stem is the taskset id) "
@@ -131,18 +132,6 @@ class VerifiersV1Env(ResumableData):
     data_position = ("next_index",)
     env_config_cls = VerifiersV1EnvConfig  # type: ignore[assignment]
 
-    @classmethod
-    def config_init(cls) -> tuple[VerifiersV1EnvConfig, list[APIServerConfig]]:
-        env = VerifiersV1EnvConfig(
-            wandb_name="verifiers_v1",
-            group_size=8,
-            use_wandb=False,
-            steps_per_eval=0,
-            max_token_length=2048,
-            ensure_scores_are_not_same=False,
-        )
-        return env, gateway_servers()
-
     async def setup(self) -> None:
         cfg: Any = self.config
         # verifiers logs two lines per rollout at INFO; the environment's log keeps its warnings.
@@ -162,6 +151,8 @@ class VerifiersV1Env(ResumableData):
                 base_url=server.base_url,
                 api_key_var="GATEWAY_API_KEY",
                 renderer_model_name=cfg.tokenizer_name,
+                # Between bytes: the gateway sends nothing while the gate holds the request or vLLM restarts.
+                timeout=ClientTimeoutConfig(read=cfg.request_timeout_s),
             ),
             sampling=vf.SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens),
         )

@@ -4,24 +4,19 @@ tasks with a prompt; a harness that prepares its program at run time (uv and a p
 
 from __future__ import annotations
 
-import json
 from itertools import islice
 
 PREFLIGHT_TASKS = 3
 
 
 def preflight(flags: dict[str, str]) -> list[str]:
-    name = flags.get("vf_env", "")
-    try:
-        args = json.loads(flags.get("vf_env_args", "{}"))
-    except json.JSONDecodeError as exc:
-        return [f"rollout.env_args of {name!r} are not JSON: {exc}"]
-    try:
-        import verifiers.v1 as vf
-    except ImportError as exc:
-        return [
-            f"verifiers.v1 is not importable here ({exc}); launch.sh builds its venv when a v1 environment is named"
-        ]
+    from environments.common import verifiers_preflight_start
+
+    name, args, problems = verifiers_preflight_start(flags, "verifiers.v1", "a v1 environment")
+    if problems:
+        return problems
+    import verifiers.v1 as vf
+
     from environments.verifiers_v1_runner.env import load_env
 
     try:

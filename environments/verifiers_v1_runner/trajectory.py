@@ -11,11 +11,17 @@ is trained with its logprob.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from environments.verifiers_runner.trajectory import NOT_TRAINED, PROMPT_LOGPROB, Built, TrajectoryError
+from environments.verifiers_runner.trajectory import (
+    NOT_TRAINED,
+    PROMPT_LOGPROB,
+    Built,
+    TrajectoryError,
+    check_sampler_logprobs,
+    check_token_ids,
+)
 
 
 @dataclass(frozen=True)
@@ -37,12 +43,7 @@ def build_branch(nodes: Sequence[NodeTokens], where: str) -> Built:
     turns = 0
     for i, node in enumerate(nodes):
         at = f"{where} node {i}"
-        bad = next(
-            (t for t in node.token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0),
-            None,
-        )
-        if bad is not None:
-            raise TrajectoryError(f"{at}: token_ids holds {bad!r}, not a token id")
+        check_token_ids(node.token_ids, f"{at}: token_ids")
         if len(node.mask) != len(node.token_ids):
             raise TrajectoryError(f"{at}: {len(node.token_ids)} token ids but a mask of {len(node.mask)}")
         sampled = sum(bool(m) for m in node.mask)
@@ -51,16 +52,7 @@ def build_branch(nodes: Sequence[NodeTokens], where: str) -> Built:
                 f"{at}: {sampled} sampled ids but {len(node.logprobs)} logprobs; the sampler must answer one "
                 "logprob per sampled id"
             )
-        bad_lp = next(
-            (
-                lp
-                for lp in node.logprobs
-                if not isinstance(lp, int | float) or not math.isfinite(lp) or lp > 0
-            ),
-            None,
-        )
-        if bad_lp is not None:
-            raise TrajectoryError(f"{at}: sampler logprob {bad_lp!r} is not a finite number <= 0")
+        check_sampler_logprobs(node.logprobs, at)
         turns += sampled > 0
         sampled_lps = iter(node.logprobs)
         for token, is_sampled in zip(node.token_ids, node.mask, strict=True):

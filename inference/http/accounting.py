@@ -11,7 +11,7 @@ from collections.abc import Callable, Hashable
 from datetime import UTC, datetime
 
 from inference.errors import default_reason
-from inference.http.guard import ASGIApp, Message, Receive, Scope, Send
+from inference.http.body_guard import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("inference.requests")
 

@@ -1,5 +1,5 @@
 """Routes that sample one fixed target for an evaluation: /eval/{target}/..., where the target is `base` (the base
-model) or the name of an adapter loaded with POST /adapters/load (named.py). An evaluation's environment process is
+model) or the name of an adapter loaded with POST /adapters/load (named_adapters.py). An evaluation's environment process is
 given `<gateway>/eval/<target>/v1` as its OpenAI base URL (atroposlib finds /generate and /health beside it).
 
 They answer the bodies /generate and the OpenAI routes take, with the same checks, but bypass the on-policy gate, its
@@ -16,9 +16,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from inference.errors import BackendError
-from inference.http.bodies import check_backend_up, generate_answer, read_generate, read_openai, scores_prompt
 from inference.http.intake import until_disconnect
-from inference.http.named import BASE_TARGET, Host
+from inference.http.named_adapters import BASE_TARGET, Host
+from inference.http.sampling_bodies import (
+    check_backend_up,
+    generate_answer,
+    read_generate,
+    read_openai,
+    scores_prompt,
+)
 from inference.policy.registry import Policy
 
 EVAL_TARGET_HEADER = "X-Eval-Target"  # in place of X-Policy-Version: a target is no policy version
@@ -40,7 +46,7 @@ def adapter_of(target: str) -> str | None:
 
 
 async def sampled(gw: EvalHost, request: Request, scoring: bool, work: Callable[[], Awaitable[T]]) -> T:
-    """work() alone in the engine where it scores the prompt (inference/samplers/lanes.py), cancelled if the client
+    """work() alone in the engine where it scores the prompt (inference/samplers/solo_lane.py), cancelled if the client
     goes away. No gate, no quota: an evaluation never waits for the trainer."""
     check_backend_up(gw.backend)
     async with gw.lane.enter(scoring):

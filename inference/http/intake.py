@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
 
 from inference.errors import BackendError
-from inference.http.guard import INLINE_BODY_BYTES, PARSED_BODY, ParsedBody, in_body_thread
+from inference.http.body_guard import INLINE_BODY_BYTES, PARSED_BODY, ParsedBody, in_body_thread
 from inference.policy.registry import Policy
 from inference.wire import (
     MAX_LOOKUP_SEQUENCES,
@@ -71,7 +71,7 @@ def validation_message(exc: ValidationError | RequestValidationError, prefix: st
 
 
 async def json_object(request: Request) -> dict[str, Any]:
-    """The body the guard parsed (inference/http/guard.py); parsed here only for an app without the guard."""
+    """The body the guard parsed (inference/http/body_guard.py); parsed here only for an app without the guard."""
     parsed = request.scope.get(PARSED_BODY)
     if not isinstance(parsed, ParsedBody):
         try:

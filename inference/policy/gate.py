@@ -56,17 +56,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rlcommon.timeouts import GATE_HOLD_S
+
 log = logging.getLogger("inference.gate")
 MAX_SEEN_ENVS = 256  # environment names counted for GET /policy: a client naming endless ones grows nothing
 MAX_GROUPS = 65536  # groups reserved on one version: past it, a group's further requests wait as any would
 DEADLINE_LOG_EVERY_S = 30.0
-DEFAULT_HOLD_S = (
-    120.0  # a request's longest wait before the trainer has said otherwise (publish.gate_hold_s's default)
-)
+DEFAULT_HOLD_S = GATE_HOLD_S  # a request's longest wait before the trainer has said otherwise
 
 
 @dataclass(frozen=True)
-class GateSpell:
+class GateClosing:
     """One closing of the gate, as reported when it opens."""
 
     version: int  # the version it waited for
@@ -82,8 +82,8 @@ class Gate:
         self._cond = asyncio.Condition()
         self._waiting_for: int | None = None
         self._closed_at = 0.0
-        self._held = 0  # requests held in the current spell
-        self._continued = 0  # continuations let through in the current spell
+        self._held = 0  # requests held while it is closed
+        self._continued = 0  # continuations let through while it is closed
         self._holding_now = 0
         self._deadline: asyncio.TimerHandle | None = None
         # The quota: sequences allowed on the current version (None: no limit), and how many were started.
@@ -104,7 +104,7 @@ class Gate:
         # Started on this version by each environment named (GET /policy).
         self._seen_env: dict[str, int] = {}
         self._refill: asyncio.TimerHandle | None = None
-        self.last: GateSpell | None = None
+        self.last: GateClosing | None = None
         self.held_total = 0
         self.hold_s_total = 0.0  # summed over held requests
         self.expired_total = 0
@@ -197,9 +197,9 @@ class Gate:
         self.expired_total += 1
         self.open(expired=True)
 
-    def open(self, expired: bool = False) -> GateSpell | None:
+    def open(self, expired: bool = False) -> GateClosing | None:
         """A new version is current (or none is coming): let requests through, with a fresh quota. Returns the
-        spell that ended, or None if the gate was not closed."""
+        closing that ended, or None if the gate was not closed."""
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
@@ -225,14 +225,14 @@ class Gate:
         self._seen_env = {}
         self._groups, self._reserved, self._group_running = {}, {}, {}
         self.openings += 1
-        spell = None
+        closing = None
         if self._waiting_for is not None:
             closed_s = time.monotonic() - self._closed_at
-            spell = GateSpell(self._waiting_for, closed_s, self._held, expired, self._continued)
+            closing = GateClosing(self._waiting_for, closed_s, self._held, expired, self._continued)
             self._waiting_for = None
-            self.last = spell
+            self.last = closing
         self._wake()
-        return spell
+        return closing
 
     @staticmethod
     def _surplus(started: int, granted: int | None) -> int:

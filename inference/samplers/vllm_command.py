@@ -8,7 +8,7 @@ import json
 import sys
 
 from inference.config import GatewayConfig
-from inference.samplers.lanes import vllm_platform
+from inference.samplers.solo_lane import vllm_platform
 from inference.samplers.vllm_guard import KeyGuard
 
 # `vllm serve`, run as a module of the gateway's interpreter (not through the `vllm` console script on PATH).
@@ -86,7 +86,7 @@ def build_vllm_command(
         str(v.max_lora_rank),
         "--max-loras",
         str(cfg.max_loras),
-        "--max-cpu-loras",  # vLLM's cache of loaded adapters: as many as can be live (rlcommon/slots.py)
+        "--max-cpu-loras",  # vLLM's cache of loaded adapters: as many as can be live (rlcommon/lora_slots.py)
         str(cfg.max_loras),
         # vLLM's own sampling defaults (temperature 1, top_p 1), not the model's generation_config.json:
         # an env that omits top_p must get the full distribution its logprobs describe.

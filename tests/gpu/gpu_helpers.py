@@ -116,71 +116,36 @@ def exact_fp32_matmuls() -> None:
 
 
 def rank_main(out: Path, micro_batch_tokens: int) -> None:
-    """One rank: tests/dist_step.py's run (the tiny model, the fixture batch, whole / reversed / one example) with
-    model.device=cuda, float32 and distributed.backend=nccl; rank 0 writes the results and the LoRA weights."""
+    """One rank: tests/dist_step.py's three steps with model.device=cuda, float32 and distributed.backend=nccl;
+    rank 0 writes the results and the LoRA weights."""
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
-    from tests.dist_step import FIXTURE, TARGETS
-    from trainer.backends.collectives import rank_info
-    from trainer.backends.data_parallel import RankZeroBackend, follow
-    from trainer.backends.local import LocalBackend
-    from trainer.training.batch import IntakeOptions, convert_batch
-    from trainer.training.config import RunConfig
-    from trainer.training.losses import LossParams
-    from trainer.training.schedule import adam_params
+    from tests.dist_step import three_steps
 
-    info = rank_info()
-    cfg = RunConfig.model_validate(
-        {
-            "model": {"path": "tiny", "device": "cuda", "dtype": "float32"},
-            "lora": {"rank": 8, "alpha": 32, "target_modules": TARGETS},
-            "trainer": {
-                "output_dir": str(out / f"rank{info.rank}"),
-                "max_seq_len": 64,
-                "micro_batch_tokens": micro_batch_tokens,
-                "logprob_chunk_tokens": 16,
-            },
-            "distributed": {"backend": "nccl"},
-        }
+    run = three_steps(
+        out, micro_batch_tokens, {"device": "cuda", "dtype": "float32"}, "nccl", exact_fp32_matmuls
     )
-    local = LocalBackend(cfg)
-    exact_fp32_matmuls()
-    if not info.is_main:
-        follow(local)
+    if run is None:
         return
-    backend = RankZeroBackend(local) if info.world_size > 1 else local
-    examples = convert_batch(
-        json.loads(FIXTURE.read_text())["batch"], IntakeOptions(vocab_size=2048, max_seq_len=64)
-    ).examples
-    steps = []
-    for batch in (examples, examples[::-1], examples[:1]):
-        fb, optim = backend.train_step(
-            batch,
-            LossParams("importance_sampling"),
-            "seq_mean_token_sum",
-            adam_params(1e-2, grad_clip_norm=1.0),
-        )
-        steps.append(
-            {
-                "loss": fb.loss,
-                "grad_norm": optim["optim/grad_norm"],
-                "tokens_trained": fb.metrics["tokens/trained"],
-                "ratio_mean": fb.metrics["importance/ratio_mean"],
-                "trainer_logprobs": fb.trainer_logprobs,
-            }
-        )
-    weights = {n: p.detach().cpu().contiguous() for n, p in local.model.named_parameters() if p.requires_grad}
-    save_file(weights, str(out / "lora.safetensors"))
+    run.save_lora(out / "lora.safetensors")
+    steps = [
+        {
+            "loss": step["loss"],
+            "grad_norm": step["grad_norm"],
+            "tokens_trained": step["metrics"]["tokens/trained"],
+            "ratio_mean": step["metrics"]["importance/ratio_mean"],
+            "trainer_logprobs": step["trainer_logprobs"],
+        }
+        for step in run.steps
+    ]
     results = {
-        "world_size": info.world_size,
-        "device": str(local.device),
+        "world_size": run.info.world_size,
+        "device": str(run.local.device),
         "process_group_backend": dist.get_backend() if dist.is_initialized() else None,
         "steps": steps,
     }
     (out / "results.json").write_text(json.dumps(results))
-    if isinstance(backend, RankZeroBackend):
-        backend.close()
+    run.close()
 
 
 def compare_runs(

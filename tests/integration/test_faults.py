@@ -33,6 +33,9 @@ SCHEDULE = (
     Fault("kill", "gateway"),
 )
 STEPS = 36
+# A stall outlasts the trainer's per-attempt timeout, set below it for this run, so that each stalled call times out
+# and is retried as it would be with the defaults (30 s, and the injector's 40 s stall): same path, 50 s less waiting.
+REQUEST_TIMEOUT_S, STALL_S = 8, 12
 
 
 def rows_since(run: LiveRun, t_unix: float) -> int:
@@ -48,7 +51,11 @@ def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
     adapter_marker, ckpt_marker = tmp_path / "adapter-save.fired", tmp_path / "checkpoint-renamed.fired"
     env = {**os.environ, FAILPOINT_ENV: f"adapter-save:{adapter_marker},checkpoint-renamed:{ckpt_marker}"}
     cmd = launch_cmd(
-        run_dir, f"rollout.num_steps={STEPS}", f"optim.total_steps={STEPS}", "trainer.checkpoint_every=5"
+        run_dir,
+        f"rollout.num_steps={STEPS}",
+        f"optim.total_steps={STEPS}",
+        "trainer.checkpoint_every=5",
+        f"trainer.request_timeout_s={REQUEST_TIMEOUT_S}",
     )
     log = (tmp_path / "launch.log").open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
@@ -73,7 +80,7 @@ def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
             since = time.time()
             if fault.target == "gateway":
                 orphans.append(run.vllm_pid())  # the vLLM of the gateway about to die must not outlive it
-            injected.append(inject(run, fault))
+            injected.append(inject(run, fault, STALL_S))
             assert injected[-1].pid is not None, f"{fault.name}: no process to break"
         rc = proc.wait(timeout=900)
     finally:

@@ -18,7 +18,7 @@ from trainer.training.checkpoints import (
 )
 from trainer.training.config import RunConfig, load_config
 from trainer.training.faults import fault_counts
-from trainer.training.retries import ComponentDown, Edge, checked
+from trainer.training.retries import ComponentDown, RemoteComponent, checked
 from trainer.training.runapi_client import RunApi
 
 
@@ -129,14 +129,14 @@ def flaky(responses: list[int | Exception]) -> tuple[httpx.Client, list[str]]:
 
 def test_transient_failures_are_retried_until_an_answer():
     client, seen = flaky([httpx.ConnectError("refused"), 503, httpx.ReadTimeout("slow"), 502, 200])
-    edge = Edge("run-api", "http://run-api", "logs/run-api.log", budget_s=30, max_wait_s=0.01)
+    edge = RemoteComponent("run-api", "http://run-api", "logs/run-api.log", budget_s=30, max_wait_s=0.01)
     assert edge.call(lambda: checked(client.get("/batch")), "/batch").status_code == 200
     assert len(seen) == 5
 
 
 def test_a_4xx_is_never_retried():
     client, seen = flaky([422])
-    edge = Edge("gateway", "http://gw", "logs/gateway.log", budget_s=30, max_wait_s=0.01)
+    edge = RemoteComponent("gateway", "http://gw", "logs/gateway.log", budget_s=30, max_wait_s=0.01)
     with pytest.raises(httpx.HTTPStatusError, match="422"):
         edge.call(lambda: checked(client.get("/policy")), "/policy")
     assert len(seen) == 1
@@ -144,7 +144,9 @@ def test_a_4xx_is_never_retried():
 
 def test_past_the_budget_the_error_names_component_url_and_log():
     client, seen = flaky([httpx.ConnectError("refused")])
-    edge = Edge("run-api", "http://127.0.0.1:9", "RUN/logs/run-api.log", budget_s=0.3, max_wait_s=0.05)
+    edge = RemoteComponent(
+        "run-api", "http://127.0.0.1:9", "RUN/logs/run-api.log", budget_s=0.3, max_wait_s=0.05
+    )
     with pytest.raises(
         ComponentDown, match=r"run-api at http://127.0.0.1:9: /batch .*read RUN/logs/run-api.log"
     ):

@@ -663,18 +663,23 @@ def test_a_stop_does_not_wait_for_a_publish_the_stopping_gateway_never_answers(t
     monkeypatch.setattr(loop, "STOP_PUBLISH_WAIT_S", 0.3)
     gateway = UnansweringGateway()
     publisher = Publisher(make_cfg(tmp_path), ProbingBackend(tmp_path), gateway, overlap=True)  # type: ignore[arg-type]
-    pending = loop.PendingStep({}, loop.StepTimes(0.0), publisher.start(7), 7)
+    pending = loop.StepAwaitingPublish({}, loop.StepTimes(0.0), publisher.start(7), 7)
     worker = next(t for t in threading.enumerate() if t.name == "publish-v7")
     assert worker.daemon  # a non-daemon thread would be joined at exit, after the launcher's SIGKILL
     started = time.monotonic()
     assert loop._join_publish(pending, stopping=True) == (7, None)
     assert time.monotonic() - started < 5
     gateway.release.set()  # the gateway's connection drops: the same answer, and no wait at all
-    pending = loop.PendingStep({}, loop.StepTimes(0.0), publisher.start(8), 8)
+    pending = loop.StepAwaitingPublish({}, loop.StepTimes(0.0), publisher.start(8), 8)
     assert loop._join_publish(pending, stopping=True) == (8, None)
     with pytest.raises(httpx.ConnectError):  # not stopping: a failed publish is the run's error, as before
-        loop._join_publish(loop.PendingStep({}, loop.StepTimes(0.0), publisher.start(9), 9), stopping=False)
-    assert loop._join_publish(loop.PendingStep({}, loop.StepTimes(0.0), None), stopping=True) == (None, None)
+        loop._join_publish(
+            loop.StepAwaitingPublish({}, loop.StepTimes(0.0), publisher.start(9), 9), stopping=False
+        )
+    assert loop._join_publish(loop.StepAwaitingPublish({}, loop.StepTimes(0.0), None), stopping=True) == (
+        None,
+        None,
+    )
     publisher.close()
 
 

@@ -18,7 +18,7 @@ import pytest
 from inference.__main__ import listening_socket
 from inference.app import create_app
 from inference.config import GatewayConfig
-from inference.http import stepjson
+from inference.http import incremental_json
 from inference.policy.registry import PolicyRegistry
 from tests.helpers import serve_app
 from tests.scripted_gateway import ScriptedBackend, client_for
@@ -126,68 +126,80 @@ def damaged(rng: random.Random, raw: bytes) -> bytes:
 def test_the_stepwise_parser_gives_what_json_loads_gives(monkeypatch, step):
     """On random documents in every layout (the small steps cut values, strings and escapes everywhere), and on
     the same documents damaged: both parsers accept or refuse each alike."""
-    monkeypatch.setattr(stepjson, "STEP", step)
+    monkeypatch.setattr(incremental_json, "STEP", step)
     rng = random.Random(step)
     for _ in range(150):
         value = random_value(rng)
         for layout in ({}, {"ensure_ascii": False}, {"separators": (",", ":")}, {"indent": 1}):
             raw = json.dumps(value, **layout).encode()
-            assert json.dumps(stepjson.parse(raw, 64)) == json.dumps(json.loads(raw))  # key order too
+            assert json.dumps(incremental_json.parse(raw, 64)) == json.dumps(json.loads(raw))  # key order too
         for _ in range(3):
             bad = damaged(rng, json.dumps(value).encode())
             try:
                 expected = json.loads(bad)
             except ValueError:
                 with pytest.raises(ValueError):  # TooDeep and Unsafe are ValueErrors too
-                    stepjson.parse(bad, 64)
+                    incremental_json.parse(bad, 64)
                 continue
             if json_depth(bad) > 64 or find_unsafe_value(expected) is not None:
-                with pytest.raises((stepjson.TooDeep, stepjson.Unsafe)):
-                    stepjson.parse(bad, 64)
+                with pytest.raises((incremental_json.TooDeep, incremental_json.Unsafe)):
+                    incremental_json.parse(bad, 64)
             else:
-                assert stepjson.parse(bad, 64) == expected
+                assert incremental_json.parse(bad, 64) == expected
 
 
 @pytest.mark.parametrize("step", [16, 1 << 16])
 def test_the_parser_refuses_what_the_routes_must_never_see_naming_the_field(monkeypatch, step):
-    monkeypatch.setattr(stepjson, "STEP", step)
+    monkeypatch.setattr(incremental_json, "STEP", step)
     long_ids = ", ".join(["7"] * 500)
     cases = [
-        (b'{"a": [1, {"b": NaN}]}', stepjson.Unsafe, "a[1].b: nan is not a finite number"),
-        (f'{{"ids": [{long_ids}, 1e400]}}'.encode(), stepjson.Unsafe, "ids[500]: inf is not a finite number"),
-        (f'{{"ids": [{long_ids}, -Infinity]}}'.encode(), stepjson.Unsafe, "ids[500]: -inf"),
-        (b'{"s": ["ok", "\\udfff x"]}', stepjson.Unsafe, "s[1]: the string is not valid Unicode"),
-        (b'{"s": {"\\ud800": 1}}', stepjson.Unsafe, "s: a key is not valid Unicode"),
-        ('{"s": "\ud800"}'.encode("utf-8", "surrogatepass"), stepjson.Unsafe, "s: the string is not valid"),
-        (b"[" * 65 + b"]" * 65, stepjson.TooDeep, "nested deeper than 64 levels"),
-        (b'{"a": ' + b"[" * 64 + b"]" * 64 + b"}", stepjson.TooDeep, "nested deeper than 64 levels"),
+        (b'{"a": [1, {"b": NaN}]}', incremental_json.Unsafe, "a[1].b: nan is not a finite number"),
+        (
+            f'{{"ids": [{long_ids}, 1e400]}}'.encode(),
+            incremental_json.Unsafe,
+            "ids[500]: inf is not a finite number",
+        ),
+        (f'{{"ids": [{long_ids}, -Infinity]}}'.encode(), incremental_json.Unsafe, "ids[500]: -inf"),
+        (b'{"s": ["ok", "\\udfff x"]}', incremental_json.Unsafe, "s[1]: the string is not valid Unicode"),
+        (b'{"s": {"\\ud800": 1}}', incremental_json.Unsafe, "s: a key is not valid Unicode"),
+        (
+            '{"s": "\ud800"}'.encode("utf-8", "surrogatepass"),
+            incremental_json.Unsafe,
+            "s: the string is not valid",
+        ),
+        (b"[" * 65 + b"]" * 65, incremental_json.TooDeep, "nested deeper than 64 levels"),
+        (b'{"a": ' + b"[" * 64 + b"]" * 64 + b"}", incremental_json.TooDeep, "nested deeper than 64 levels"),
         (b'{"n": 1' + b"0" * 5000 + b"}", ValueError, "longer than 4300"),
         (b'{"a": "unterminated', ValueError, "Unterminated string"),
         (b'{"a": [1, 2,]}', ValueError, "Expecting value"),
     ]
     for raw, error, needle in cases:
         with pytest.raises(error) as err:
-            stepjson.parse(raw, 64)
+            incremental_json.parse(raw, 64)
         assert needle in str(err.value), (raw[:60], str(err.value))
-    assert stepjson.parse(b"[" * 64 + b"]" * 64, 64) is not None
-    assert stepjson.parse('{"pair": "\\ud83d\\ude00 \U0001f600"}'.encode(), 64) == {
+    assert incremental_json.parse(b"[" * 64 + b"]" * 64, 64) is not None
+    assert incremental_json.parse('{"pair": "\\ud83d\\ude00 \U0001f600"}'.encode(), 64) == {
         "pair": "\U0001f600 \U0001f600"
     }
 
 
 def test_too_many_containers_members_or_characters_are_refused(monkeypatch):
-    monkeypatch.setattr(stepjson, "MAX_CONTAINERS", 1000)
-    monkeypatch.setattr(stepjson, "MAX_MEMBERS", 1000)
-    monkeypatch.setattr(stepjson, "STEP", 256)  # a body of many steps, as a real one past these limits is
-    assert len(stepjson.parse(json.dumps([[1]] * 999).encode(), 64)) == 999
-    with pytest.raises(stepjson.TooBig, match="more than 1000 JSON arrays and objects"):
-        stepjson.parse(json.dumps([[1]] * 1000).encode(), 64)
-    with pytest.raises(stepjson.TooBig, match="more than 1000 members"):
-        stepjson.parse(json.dumps({str(i): 0 for i in range(1001)}).encode(), 64)
-    monkeypatch.setattr(stepjson, "MAX_STRING_CHARS", 1000)
-    assert len(stepjson.parse(json.dumps({"s": "é" * 999}, ensure_ascii=False).encode(), 64)["s"]) == 999
-    with pytest.raises(stepjson.TooBig, match="s: a string longer than 1000 characters"):
-        stepjson.parse(json.dumps({"s": "é" * 1300}, ensure_ascii=False).encode(), 64)
+    monkeypatch.setattr(incremental_json, "MAX_CONTAINERS", 1000)
+    monkeypatch.setattr(incremental_json, "MAX_MEMBERS", 1000)
+    monkeypatch.setattr(
+        incremental_json, "STEP", 256
+    )  # a body of many steps, as a real one past these limits is
+    assert len(incremental_json.parse(json.dumps([[1]] * 999).encode(), 64)) == 999
+    with pytest.raises(incremental_json.TooBig, match="more than 1000 JSON arrays and objects"):
+        incremental_json.parse(json.dumps([[1]] * 1000).encode(), 64)
+    with pytest.raises(incremental_json.TooBig, match="more than 1000 members"):
+        incremental_json.parse(json.dumps({str(i): 0 for i in range(1001)}).encode(), 64)
+    monkeypatch.setattr(incremental_json, "MAX_STRING_CHARS", 1000)
+    assert (
+        len(incremental_json.parse(json.dumps({"s": "é" * 999}, ensure_ascii=False).encode(), 64)["s"]) == 999
+    )
+    with pytest.raises(incremental_json.TooBig, match="s: a string longer than 1000 characters"):
+        incremental_json.parse(json.dumps({"s": "é" * 1300}, ensure_ascii=False).encode(), 64)
 
 
 def test_a_parsed_body_is_freed_but_never_a_list_still_in_use():
@@ -199,7 +211,7 @@ def test_a_parsed_body_is_freed_but_never_a_list_still_in_use():
 
     shared = list(range(70_000))  # something else holds this one (as a route that kept a list would)
     box = [{"sequences": [shared, [*range(70_000), Probe()]], "x": {"y": [1.5] * 70_000}}]
-    stepjson.dispose(box)
+    incremental_json.dispose(box)
     assert box == [] and freed == [True]
     assert shared == list(range(70_000)), "a list something else holds was emptied"
 

@@ -228,7 +228,7 @@ async def test_eval_prompt_scoring_takes_the_solo_lane_where_the_policy_routes_d
         await asyncio.sleep(SETTLE_S)
         assert sorted(backend.running) == [
             "sample"
-        ]  # alone on every vLLM platform (inference/samplers/lanes.py)
+        ]  # alone on every vLLM platform (inference/samplers/solo_lane.py)
         backend.gate.set()
         replies = await asyncio.gather(first, *scoring)
     assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]

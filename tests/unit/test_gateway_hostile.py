@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from inference.http import stepjson
-from inference.http.guard import check_json_body
+from inference.http import incremental_json
+from inference.http.body_guard import check_json_body
 from tests.scripted_gateway import ScriptedBackend, client_for, make_adapter
 
 # (route, raw body, status, what the message must name). Raw bytes: some are not what json.dumps would write.
@@ -66,7 +66,7 @@ HOSTILE: list[tuple[str, bytes, int, str]] = [
 ]
 
 
-# Plain reference versions of two checks stepjson makes while it parses (the gateway parses with check_json_body).
+# Plain reference versions of two checks incremental_json makes while it parses (the gateway parses with check_json_body).
 
 
 def json_depth(raw: bytes) -> int:
@@ -98,11 +98,11 @@ def find_unsafe_value(value: Any, path: str = "") -> str | None:
         where, item = stack.pop()
         if isinstance(item, float) and not math.isfinite(item):
             return f"{where or 'body'}: {item!r} is not a finite number; send a finite value"
-        if isinstance(item, str) and not stepjson.valid_unicode(item):
+        if isinstance(item, str) and not incremental_json.valid_unicode(item):
             return f"{where or 'body'}: the string is not valid Unicode (a lone surrogate escape); send UTF-8 text"
         if isinstance(item, dict):
             for key, child in item.items():
-                if not stepjson.valid_unicode(key):
+                if not incremental_json.valid_unicode(key):
                     return f"{where or 'body'}: a key is not valid Unicode (a lone surrogate escape)"
                 stack.append((f"{where}.{key}" if where else key, child))
         elif isinstance(item, list):

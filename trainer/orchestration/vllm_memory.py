@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rlcommon.slots import lora_slots
+from rlcommon.lora_slots import lora_slots
 from trainer.orchestration.model_shape import (
     ALL_LINEAR,
     MLP_PROJECTIONS,
@@ -96,7 +96,7 @@ class VLLMSettings:
         )
 
     def slot_parts(self) -> str:
-        """What vLLM's --max-loras slots hold (rlcommon/slots.py), and its --max-cpu-loras."""
+        """What vLLM's --max-loras slots hold (rlcommon/lora_slots.py), and its --max-cpu-loras."""
         named = f" + {self.named_slots} named (eval)" if self.named_slots else ""
         return (
             f"{self.keep_versions} kept + current + publishing + base-zero-lora{named}; "

@@ -12,8 +12,10 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from rlcommon.lora_slots import KEEP_VERSIONS_MEANING
 from rlcommon.overrides import apply_overrides, error_lines, renamed_key
-from rlcommon.slots import KEEP_VERSIONS_MEANING
+from rlcommon.pass_at_k import greedy_pass_at_k_problem
+from rlcommon.timeouts import GATE_HOLD_S
 from trainer.training.config_base import Section
 from trainer.training.launch_config import (
     ENGINE_KEYS,
@@ -201,7 +203,7 @@ class PublishConfig(Section):
         "sample the new version; auto = on when rollout.max_staleness is 0",
     )
     gate_hold_s: float = Field(
-        120.0,
+        GATE_HOLD_S,
         gt=0,
         le=3600,
         description="the longest the gateway holds a request for the next version (then it serves the current "
@@ -377,11 +379,9 @@ class EvalConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
-        if self.k > 1 and self.temperature == 0:
-            raise ValueError(
-                f"eval.k={self.k} with eval.temperature=0: greedy samples of one prompt are identical, so pass@k "
-                "would equal pass@1; set eval.temperature (e.g. 1.0) or eval.k=1"
-            )
+        problem = greedy_pass_at_k_problem(self.k, self.temperature, "eval.k", "eval.temperature")
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

@@ -20,7 +20,7 @@ from inference.wire import (
     RefillRequest,
     RefillResponse,
 )
-from trainer.training.retries import Edge, checked
+from trainer.training.retries import RemoteComponent, checked
 
 __all__ = [
     "ExpectResponse",
@@ -49,7 +49,7 @@ class GatewayClient:
         if lease:  # a run attached to a shared engine (launch.sh engine) holds its lease
             headers[LEASE_HEADER] = lease
         self.url = url
-        self.edge = Edge("gateway", url, log, retry_budget_s)
+        self.edge = RemoteComponent("gateway", url, log, retry_budget_s)
         self._http = httpx.Client(base_url=url, timeout=timeout_s, headers=headers)
 
     def close(self) -> None:

@@ -42,7 +42,7 @@ from trainer.training.polling import wait_until
 from trainer.training.publishing import Publisher, PublishOutcome
 from trainer.training.recovery import (
     TALLIED,
-    RunTally,
+    RunTotals,
     ensure_gateway_policy,
     read_tally,
     resume,
@@ -129,12 +129,12 @@ class _Steps:
     run_dir: Path
     stopper: Stopper
     metrics: MetricsWriter
-    tally: RunTally
+    tally: RunTotals
     intake: IntakeOptions
     quota_on: str | None  # the gateway process that holds the share quota (None: the run has none)
     reserve: Reserve | None  # zero-variance groups replaced from later batches
     refill: ShortRefill | None  # a mixed run's environment short of its share is let through
-    pending: PendingStep | None = None  # the step whose publish overlaps the next wait
+    pending: StepAwaitingPublish | None = None  # the step whose publish overlaps the next wait
 
     @classmethod
     def start(
@@ -166,7 +166,7 @@ class _Steps:
             run_dir,
             stopper,
             MetricsWriter(run_dir / "metrics.jsonl", cfg.launch.wandb, cfg),
-            RunTally(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step),
+            RunTotals(read_tally(run_dir / "metrics.jsonl"), time.monotonic(), state.step),
             _intake_options(cfg, backend),
             quota_on,
             Reserve() if cfg.rollout.refill_zero_variance else None,
@@ -297,7 +297,7 @@ def env_shares(cfg: RunConfig) -> dict[str, int] | None:
 
 
 @dataclass
-class PendingStep:
+class StepAwaitingPublish:
     """A step trained and maybe still publishing: its row is written once the publish is done."""
 
     row: dict[str, Any]
@@ -311,7 +311,7 @@ class PendingStep:
 STOP_PUBLISH_WAIT_S = 10.0
 
 
-def _join_publish(pending: PendingStep, stopping: bool) -> tuple[int | None, PublishOutcome | None]:
+def _join_publish(pending: StepAwaitingPublish, stopping: bool) -> tuple[int | None, PublishOutcome | None]:
     """The version the trainer's weights now are, and the publish's outcome if it completed. Stopping, a publish
     the gateway does not complete within STOP_PUBLISH_WAIT_S (or fails to reach it) still leaves the weights at the
     new version: the checkpoint says so, and the resume publishes that version again (verified)."""
@@ -339,8 +339,8 @@ def _finish_step(
     cfg: RunConfig,
     backend: TrainingBackend,
     metrics: MetricsWriter,
-    run: RunTally,
-    pending: PendingStep,
+    run: RunTotals,
+    pending: StepAwaitingPublish,
     state: LoopState,
     api: RunApi,
     run_dir: Path,
@@ -409,7 +409,7 @@ def _one_step(
     times: StepTimes,
     hold: ExpectResponse | None,
     env_names: dict[int, str] | None = None,
-) -> PendingStep:
+) -> StepAwaitingPublish:
     """Consume one batch; train and start publishing if anything in it is trainable. Advances `state.step`; the
     version advances when the publish is joined (_finish_step)."""
     times.batch = time.monotonic()
@@ -451,7 +451,7 @@ def _one_step(
     row.update(Publisher.metrics(None))
     if hold is not None and publish is None:
         row["gateway/hold_s"], row["gateway/held_requests"] = hold.hold_s, float(hold.held_requests)
-    return PendingStep(row, times, publish, version)
+    return StepAwaitingPublish(row, times, publish, version)
 
 
 def _train(cfg: RunConfig, backend: TrainingBackend, converted: ConvertedBatch) -> dict[str, Any]:

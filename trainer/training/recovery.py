@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class RunTally:
+class RunTotals:
     """What the run's rows add up to so far (restored from metrics.jsonl on resume)."""
 
     totals: dict[str, float]

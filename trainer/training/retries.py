@@ -39,7 +39,7 @@ def is_transient(exc: BaseException) -> bool:
 
 
 @dataclass(frozen=True)
-class Edge:
+class RemoteComponent:
     """One process the trainer talks to."""
 
     component: str  # "run-api", "gateway"

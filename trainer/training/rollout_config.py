@@ -9,8 +9,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rlcommon.slots import DEFAULT_MAX_STALENESS
+from rlcommon.lora_slots import DEFAULT_MAX_STALENESS
 from trainer.training.config_base import Section
+
+MIX_WAIT_S_DEFAULT = 30.0  # rollout.mix_wait_s's default, also run-api's when started without the launcher
 
 
 class EnvEntry(Section):
@@ -122,7 +124,7 @@ class RolloutConfig(Section):
     )
     seed: int = Field(0, description="environment data seed")
     mix_wait_s: float = Field(
-        30.0,
+        MIX_WAIT_S_DEFAULT,
         gt=0,
         description="a mixed run: a batch forms once every environment has its whole share queued; once the "
         "trainer has waited this long for one that an environment short of its share holds back, it forms without "

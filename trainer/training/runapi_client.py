@@ -15,7 +15,7 @@ import httpx
 from trainer.training.batch import parse_batch_response
 from trainer.training.config import RunConfig
 from trainer.training.polling import wait_until
-from trainer.training.retries import ComponentDown, Edge, checked
+from trainer.training.retries import ComponentDown, RemoteComponent, checked
 from trainer.training.wandb_group import wandb_group
 
 log = logging.getLogger("trainer.training.runapi_client")
@@ -28,7 +28,7 @@ class RunApi:
 
     def __init__(self, cfg: RunConfig, url: str, log: str):
         self.cfg = cfg
-        self.edge = Edge("run-api", url, log, cfg.trainer.retry_budget_s)
+        self.edge = RemoteComponent("run-api", url, log, cfg.trainer.retry_budget_s)
         self._http = httpx.Client(base_url=url, timeout=cfg.trainer.request_timeout_s)
         self.step = 0  # where a re-registration starts; the loop keeps it current
         self.reregistrations = 0

@@ -21,7 +21,7 @@ import httpx
 
 from trainer.training.batch import TrainingExample, plan_micro_batches
 from trainer.training.config import ConfigError, DistillConfig, RunConfig
-from trainer.training.retries import ComponentDown, Edge, checked, describe
+from trainer.training.retries import ComponentDown, RemoteComponent, checked, describe
 
 # Below any logprob a model gives (a float32 softmax floors near -1e2; a vocabulary of 10^6 with one dominant logit
 # of +1e3 gives about -2e3): a value under it is a broken or hostile answer, not a probability.
@@ -190,7 +190,9 @@ class UrlTeacher:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.root, timeout=timeout_s, headers=headers, transport=transport)
         self.timeout_s = timeout_s
-        self.edge = Edge("distillation teacher", url, "the teacher server's own log", retry_budget_s)
+        self.edge = RemoteComponent(
+            "distillation teacher", url, "the teacher server's own log", retry_budget_s
+        )
         self.batch_tokens = batch_tokens
         self.model = model if model is not None else self.resolve_model(None)
 

@@ -23,8 +23,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from inference.errors import BackendError
-from inference.http.bodies import ServedModel, check_backend_up, checked_openai_body
 from inference.http.intake import check_token_ids, json_object, off_loop, respond, until_disconnect
+from inference.http.sampling_bodies import ServedModel, check_backend_up, checked_openai_body
 from inference.samplers.tinker import TinkerSamplingBackend
 
 # What a /tokenize body may carry (vLLM's tokenize request, less the chat template a client would run on vLLM).
@@ -215,7 +215,7 @@ def serves_token_routes(backend: Any) -> bool:
     return not isinstance(backend, TinkerSamplingBackend)
 
 
-def token_routes(gw: Any) -> APIRouter:
+def tokenize_chat_routes(gw: Any) -> APIRouter:
     """`gw` is inference.app.Gateway (not imported: app.py imports this module)."""
 
     router = APIRouter()

@@ -19,7 +19,6 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from inference.errors import BackendError
-from inference.http.bodies import ServedModel, check_backend_up, checked_generate
 from inference.http.intake import (
     json_object,
     off_loop,
@@ -27,8 +26,9 @@ from inference.http.intake import (
     until_disconnect,
     validation_message,
 )
+from inference.http.sampling_bodies import ServedModel, check_backend_up, checked_generate
 from inference.policy.registry import Policy, PolicyRegistry
-from inference.samplers.lanes import SoloLane
+from inference.samplers.solo_lane import SoloLane
 from inference.wire import (
     NamedAdapterLoad,
     NamedAdapterLoaded,

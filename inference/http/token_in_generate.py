@@ -30,7 +30,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from inference.errors import BackendError
-from inference.http.bodies import ServedModel
 from inference.http.evalroutes import EvalHost, adapter_of, sampled, target_policy
 from inference.http.evalroutes import answer as eval_answer
 from inference.http.intake import (
@@ -42,6 +41,7 @@ from inference.http.intake import (
     respond,
     validation_message,
 )
+from inference.http.sampling_bodies import ServedModel
 from inference.wire import Sample, SamplingParams, SamplingRequest, TokenId
 
 ROUTE = "/inference/v1/generate"
@@ -197,7 +197,7 @@ def check_sampled(samples: list[Sample]) -> None:
             )
 
 
-def tokenin_routes(gw: TokenInGateway) -> APIRouter:
+def token_in_generate_routes(gw: TokenInGateway) -> APIRouter:
     """`gw` is inference.app.Gateway (not imported: app.py imports this module)."""
     router = APIRouter()
 

@@ -1,5 +1,5 @@
 """A sampling route's body read, checked against the served model (its context and vocabulary) and answered: what the
-policy routes (inference/app.py), the named-adapter routes (named.py) and the evaluation routes (evalroutes.py) share,
+policy routes (inference/app.py), the named-adapter routes (named_adapters.py) and the evaluation routes (evalroutes.py) share,
 so that one body gets one answer on each. It never picks a policy or calls the sampler.
 """
 

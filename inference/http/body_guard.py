@@ -5,11 +5,11 @@ refusing nesting deeper than `max_json_depth` (413), non-finite numbers (NaN, In
 are not valid Unicode (lone surrogates) with a 400 that names the field, and hands the parsed value to the routes
 (PARSED_BODY in the request scope; the raw body is replayed to them unchanged too).
 
-Bodies over INLINE_BODY_BYTES are parsed in the body thread (in_body_thread), in steps (inference/http/stepjson.py),
+Bodies over INLINE_BODY_BYTES are parsed in the body thread (in_body_thread), in steps (inference/http/incremental_json.py),
 with the cyclic collector paused (GcPause), and freed there a step at a time: /health and every other route keep
 answering while a maximal body is processed (a 64 MiB body of 9.2M token ids: /health within ~60 ms, was frozen
 for 23 s). Memory per request: the body as received (up to max_body_bytes), its parsed value (~6x the body for
-token ids, ~12x at worst for many short strings; stepjson caps arrays, objects and members), and while it is
+token ids, ~12x at worst for many short strings; incremental_json caps arrays, objects and members), and while it is
 parsed, one body at a time, the decoded text (1-4x the body). That 64 MiB body peaks at +480 MB (was +1.8 GB).
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from inference.errors import Reason, default_reason
-from inference.http import stepjson
+from inference.http import incremental_json
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -42,7 +42,7 @@ PARSED_BODY = "inference.parsed_body"  # request scope key: the guard's ParsedBo
 INLINE_BODY_BYTES = 16 * 1024
 # One thread parses and validates every large body, one body at a time: besides each request's own body and
 # parsed value, at most one parse's working memory (the decoded text, up to 4 bytes per body byte) exists at once.
-# Each step there holds the interpreter lock for about a millisecond (inference/http/stepjson.py), so the event loop's
+# Each step there holds the interpreter lock for about a millisecond (inference/http/incremental_json.py), so the event loop's
 # thread gets it back within the interpreter's switch interval (5 ms).
 _BODY_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-bodies")
 
@@ -72,10 +72,10 @@ def check_json_body(raw: bytes | list[bytes], max_depth: int) -> ParsedBody:
     see. An unparsable body is left to the route (which answers 400 with the parser's message)."""
     size = len(raw) if isinstance(raw, bytes) else sum(map(len, raw))
     try:
-        value = stepjson.parse(raw, max_depth)
-    except (stepjson.TooDeep, stepjson.TooBig) as exc:
+        value = incremental_json.parse(raw, max_depth)
+    except (incremental_json.TooDeep, incremental_json.TooBig) as exc:
         raise Refused(413, str(exc)) from exc
-    except stepjson.Unsafe as exc:
+    except incremental_json.Unsafe as exc:
         raise Refused(400, str(exc)) from exc
     except (ValueError, UnicodeDecodeError) as exc:
         return ParsedBody(None, str(exc), size)
@@ -120,7 +120,7 @@ _GC_PAUSE = GcPause()
 
 def _dispose(box: list[Any], token: object | None) -> None:
     try:
-        stepjson.dispose(box)
+        incremental_json.dispose(box)
     finally:
         if token is not None:
             _GC_PAUSE.release(token)

@@ -1,12 +1,7 @@
-"""The work behind the local Tinker-protocol service's routes (trainer/service/routes.py): the futures the unmodified
-tinker SDK polls, the order of each training client's calls, sessions, models, checkpoints and sampler snapshots.
+"""The work behind the local Tinker-protocol service's routes (trainer/service/routes.py): sessions and their reaper,
+training clients (models), their checkpoints, and sampler snapshots. Calls are queued and answered through futures
+(trainer/service/calls.py): training on one worker thread in each client's seq_id order, sampling concurrently.
 
-- Every training call answers its POST at once with a request id; the work runs later and the SDK polls
-  `/api/v1/retrieve_future`, which waits up to `service.poll_hold_s` for the result (the SDK re-polls without a
-  pause), then answers 408 (the SDK polls again).
-- A client's calls run in the order of their seq_id (the SDK submits without waiting for results, and posts the
-  chunks of one call concurrently); all calls run one at a time on one worker thread, since every client shares
-  the base model.
 - A refused call (bad datum, unknown loss, unknown model) is a result in the SDK's error format, `{"error",
   "category": "user"}`, which the SDK raises as RequestFailedError; it still takes its place in the client's order.
 - Sampling goes through the gateway (`service.gateway_url`, started beside the service by `bash launch.sh
@@ -24,14 +19,11 @@ import secrets
 import shutil
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response
-
+from trainer.service.calls import Calls
 from trainer.service.checkpoints import (
     Catalog,
     check_name_length,
@@ -60,29 +52,9 @@ from trainer.training.config import RunConfig
 log = logging.getLogger("trainer.service")
 
 API = "/api/v1"  # the SDK's routes; /health sits outside it
-PROTOBUF = "application/x-protobuf"
+
 TINKER_SCHEME = "tinker://"
 SNAPSHOT_PREFIX = "snapshot-"  # unnamed sampler snapshots (save_weights_and_get_sampling_client)
-
-
-@dataclass
-class Ordered:
-    """One training client's place in line: the next seq_id to run."""
-
-    next_seq: int = 1
-    cond: asyncio.Condition = field(default_factory=asyncio.Condition)
-
-
-def _error(message: str, category: str = "user") -> Result:
-    return Result({"error": message, "category": category})
-
-
-def _failure(exc: Exception, what: str) -> Result:
-    """A call that raised, in the SDK's error format (it raises RequestFailedError); the service goes on."""
-    if isinstance(exc, UserError):
-        return _error(str(exc))
-    log.exception(what)
-    return _error(f"{type(exc).__name__}: {exc}", "server")
 
 
 def safe_name(model_id: str) -> str:
@@ -106,12 +78,9 @@ class Service:
         self.policies = policies
         self.root = Path(cfg.service.output_dir)
         self.catalog = Catalog(self.root)  # training runs and checkpoints, read back from disk
-        self.futures: dict[str, asyncio.Future[Result]] = {}
-        self.order: dict[str, Ordered] = {}
+        self.calls = Calls(cfg.service.poll_hold_s)  # the futures the SDK polls, each client's calls in order
         self.models: dict[str, str] = {}  # model id -> adapter name
-        self.request_ids = itertools.count()
         self.adapters = itertools.count()
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train")
         self.beats: dict[str, float] = {}  # session id -> its last heartbeat (monotonic)
         self.reaper: asyncio.Task[None] | None = None
         self.samplers: dict[str, Sampler] = {}
@@ -145,76 +114,6 @@ class Service:
             ]
         }
 
-    # --- futures ----------------------------------------------------------------------------------------------
-
-    def submit(
-        self, work: Callable[[], Result], model_id: str | None = None, seq_id: int | None = None
-    ) -> str:
-        """Queue `work` (in the client's seq_id order when given) and return its request id."""
-        request_id = f"req-{next(self.request_ids)}"
-        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        self.futures[request_id] = future
-        asyncio.get_running_loop().create_task(self._run(future, work, model_id, seq_id))
-        return request_id
-
-    async def _run(
-        self,
-        future: asyncio.Future[Result],
-        work: Callable[[], Result],
-        model_id: str | None,
-        seq_id: int | None,
-    ) -> None:
-        line = self.order.get(model_id) if model_id is not None else None
-        turn = seq_id if seq_id is not None else 0
-        if line is not None:
-            async with line.cond:
-                await line.cond.wait_for(lambda: line.next_seq >= turn)
-        try:
-            result = await asyncio.get_running_loop().run_in_executor(self.worker, self._guarded, work)
-        finally:
-            if line is not None:
-                async with line.cond:
-                    line.next_seq = max(line.next_seq, turn + 1)
-                    line.cond.notify_all()
-        future.set_result(result)
-
-    def submit_async(self, work: Callable[[], Awaitable[Result]]) -> str:
-        """Queue a coroutine (sampling: I/O bound, concurrent with training) and return its request id."""
-        request_id = f"req-{next(self.request_ids)}"
-        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        self.futures[request_id] = future
-
-        async def run() -> None:
-            try:
-                result = await work()
-            except Exception as exc:
-                result = _failure(exc, "a sampling call failed")
-            future.set_result(result)
-
-        asyncio.get_running_loop().create_task(run())
-        return request_id
-
-    @staticmethod
-    def _guarded(work: Callable[[], Result]) -> Result:
-        try:
-            return work()
-        except Exception as exc:
-            return _failure(exc, "a training call failed")
-
-    async def retrieve(self, request_id: str) -> Response:
-        future = self.futures.get(request_id)
-        if future is None:
-            return JSONResponse({"detail": f"no request {request_id!r} here"}, status_code=404)
-        try:
-            result = await asyncio.wait_for(asyncio.shield(future), self.cfg.service.poll_hold_s)
-        except TimeoutError:
-            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"}, 408)
-        self.futures.pop(request_id, None)
-        if result.proto:
-            assert isinstance(result.body, bytes)
-            return Response(result.body, media_type=PROTOBUF)
-        return JSONResponse(result.body)
-
     # --- training clients -------------------------------------------------------------------------------------
 
     def start_reaper(self) -> None:
@@ -240,8 +139,8 @@ class Service:
     def end_session(self, session_id: str) -> None:
         """Release a session's training clients (after the calls already queued) and its sampling sessions."""
         self.beats.pop(session_id, None)
-        request_id = self.submit(lambda: self.release_session(session_id))
-        released = self.futures.pop(request_id)  # nobody polls for it
+        request_id = self.calls.submit(lambda: self.release_session(session_id))
+        released = self.calls.futures.pop(request_id)  # nobody polls for it
 
         async def samplers() -> None:
             await released
@@ -265,7 +164,7 @@ class Service:
         prefix = f"{session_id}:train:"
         for model_id in [m for m in self.models if m.startswith(prefix)]:
             self.policies.release(self.models.pop(model_id))
-            self.order.pop(model_id, None)
+            self.calls.order.pop(model_id, None)
             self.record(model_id, {"call": "release"})
         return Result({})
 
@@ -324,7 +223,7 @@ class Service:
         except ValueError as exc:  # the flags select none of this model's modules
             raise UserError(str(exc)) from None
         self.models[model_id] = name
-        self.order.setdefault(model_id, Ordered())
+        self.calls.line(model_id)
         self.catalog.open_run(model_id, self.root / safe_name(model_id), base_model, spec.__dict__, metadata)
         self.record(model_id, {"call": "create_model", **spec.__dict__})
         log.info("training client %s: LoRA rank %d (%s)", model_id, rank, ", ".join(spec.targets()))
@@ -428,7 +327,7 @@ class Service:
         except Exception as exc:
             if created:  # a client that never got its state holds no max_clients slot
                 self.policies.release(self.models.pop(model_id))
-                self.order.pop(model_id, None)
+                self.calls.order.pop(model_id, None)
             if isinstance(exc, ValueError | OSError):  # OSError: the folder went between resolve and the read
                 raise UserError(f"loading {path}: {exc}") from None
             raise
@@ -479,7 +378,7 @@ class Service:
 
     def drop_old_snapshots_after(self, request_id: str, model_id: str) -> None:
         """Once the snapshot being saved under `request_id` exists, the client's oldest ones beyond the kept number go."""
-        saved = self.futures[request_id]
+        saved = self.calls.futures[request_id]
 
         async def tidy() -> None:
             await asyncio.shield(saved)

@@ -15,7 +15,6 @@ import hashlib
 import hmac
 import secrets
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,6 +22,7 @@ from typing import Any, Protocol
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from trainer.service.calls import Calls
 from trainer.service.checkpoints import API, NotFound, json_body, parse_save_options
 from trainer.service.wire import Result, UserError, body_field, call_of
 
@@ -32,10 +32,8 @@ class Service(Protocol):
 
     policies: Any
     catalog: Any
+    calls: Calls
 
-    def submit(
-        self, work: Callable[[], Result], model_id: str | None = None, seq_id: int | None = None
-    ) -> str: ...
     def model_name(self, model_id: str) -> str: ...
     def state_folder(self, model_id: str, kind: str, name: str) -> Path: ...
     def record(self, model_id: str, row: dict[str, Any]) -> None: ...
@@ -84,7 +82,7 @@ def external_weights_routes(service: Service) -> APIRouter:
         body = await json_body(request)
         (model_id, seq_id), name = call_of(body), body_field(body, "path", str)
         work = lambda: save_external(service, model_id, name, body)  # noqa: E731
-        return {"request_id": service.submit(work, model_id, seq_id)}
+        return {"request_id": service.calls.submit(work, model_id, seq_id)}
 
     @router.get(f"{API}/training_runs/{{run_id}}/checkpoints/{KIND}/{{name}}/external_weights_urls")
     async def urls(run_id: str, name: str, request: Request) -> JSONResponse:

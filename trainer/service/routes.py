@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from rlcommon.browser_guard import BrowserGuard
 from rlcommon.hosts import LOOPBACK_HOSTS
-from trainer.service.app import API, Ordered, Service
+from trainer.service.app import API, Service
 from trainer.service.checkpoints import (
     install,
     json_body,
@@ -133,7 +133,7 @@ def session_routes(service: Service) -> APIRouter:
 
     @router.post(f"{API}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
-        return await service.retrieve(body_field(await json_body(request), "request_id", str))
+        return await service.calls.retrieve(body_field(await json_body(request), "request_id", str))
 
     return router
 
@@ -149,10 +149,12 @@ def training_routes(service: Service) -> APIRouter:
         base, lora = body.get("base_model"), body.get("lora_config") or {}
         if not isinstance(lora, dict):
             raise UserError(f"'lora_config' must be an object, got {lora!r}")
-        service.order.setdefault(model_id, Ordered())
+        service.calls.line(model_id)
         metadata = body.get("user_metadata")
         return {
-            "request_id": service.submit(lambda: service.create_model(model_id, str(base), lora, metadata))
+            "request_id": service.calls.submit(
+                lambda: service.create_model(model_id, str(base), lora, metadata)
+            )
         }
 
     @router.post(f"{API}/get_info")
@@ -172,7 +174,7 @@ def training_routes(service: Service) -> APIRouter:
                 raise call
             return service.forward_backward(call)
 
-        return {"request_id": service.submit(work, model_id, seq_id)}
+        return {"request_id": service.calls.submit(work, model_id, seq_id)}
 
     @router.post(f"{API}/optim_step")
     async def optim_step(request: Request) -> dict[str, str]:
@@ -182,7 +184,9 @@ def training_routes(service: Service) -> APIRouter:
         if adam is None and body.get("optimizer_params") is not None:
             raise UserError("only AdamParams are supported (optimizer_params of another type was sent)")
         return {
-            "request_id": service.submit(lambda: service.optim_step(model_id, seq_id, adam), model_id, seq_id)
+            "request_id": service.calls.submit(
+                lambda: service.optim_step(model_id, seq_id, adam), model_id, seq_id
+            )
         }
 
     return router
@@ -198,7 +202,9 @@ def weights_routes(service: Service) -> APIRouter:
         body = await json_body(request)
         (model_id, seq_id), name = call_of(body), body_field(body, "path", str)
         return {
-            "request_id": service.submit(lambda: service.save_state(model_id, name, body), model_id, seq_id)
+            "request_id": service.calls.submit(
+                lambda: service.save_state(model_id, name, body), model_id, seq_id
+            )
         }
 
     @router.post(f"{API}/load_weights")
@@ -207,19 +213,23 @@ def weights_routes(service: Service) -> APIRouter:
         path, optimizer = body_field(body, "path", str), bool(body.get("optimizer", False))
         if "model_id" in body:
             model_id, seq_id = call_of(body)
-            loaded = service.submit(lambda: service.load_state(model_id, path, optimizer), model_id, seq_id)
+            loaded = service.calls.submit(
+                lambda: service.load_state(model_id, path, optimizer), model_id, seq_id
+            )
             return {"request_id": loaded}
         new_id = new_model_id(body)
-        service.order.setdefault(new_id, Ordered())
+        service.calls.line(new_id)
         metadata = body.get("user_metadata")
-        return {"request_id": service.submit(lambda: service.load_state(new_id, path, optimizer, metadata))}
+        return {
+            "request_id": service.calls.submit(lambda: service.load_state(new_id, path, optimizer, metadata))
+        }
 
     @router.post(f"{API}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, str]:
         body = await json_body(request)
         (model_id, seq_id), name = call_of(body), body.get("path")
         session_seq = body.get("sampling_session_seq_id")
-        request_id = service.submit(
+        request_id = service.calls.submit(
             lambda: service.save_for_sampler(model_id, name, session_seq, body), model_id, seq_id
         )
         if not name:  # an unnamed snapshot: older ones go once it is saved
@@ -251,6 +261,9 @@ def sampling_routes(service: Service) -> APIRouter:
         n = body.get("num_samples", 1)
         count = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 1024 else 1
         ids = sequence_ids(sampler_id, body.get("seq_id"), count)
-        return {"request_id": service.submit_async(lambda: service.sample(body)), "sample_sequence_ids": ids}
+        return {
+            "request_id": service.calls.submit_async(lambda: service.sample(body)),
+            "sample_sequence_ids": ids,
+        }
 
     return router

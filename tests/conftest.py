@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ class SharedEngine:
 
 
 ENGINE_LEASE_TTL_S = 10  # a killed run's lease lapses within this; renewals come every 3 s
+# A tool call parser, which a verifiers tool environment needs (tests/integration/test_verifiers_env.py); runs that
+# set no extra_args of their own attach regardless.
+ENGINE_VLLM_EXTRA_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
 
 
 @pytest.fixture(scope="session")
@@ -79,6 +83,7 @@ def shared_engine(tmp_path_factory) -> Iterator[SharedEngine]:
         f"trainer.output_dir={folder}",
         "inference.keep_versions=2",
         f"inference.lease_ttl_s={ENGINE_LEASE_TTL_S}",
+        f"inference.vllm.extra_args={json.dumps(ENGINE_VLLM_EXTRA_ARGS)}",
     ]
     with log.open("wb") as out:
         # Its own session (a test's signals stay away from it), and gone with pytest even if pytest is killed.

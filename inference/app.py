@@ -121,9 +121,8 @@ class Gateway:
         self.vocab_size = vocab_size
         self.publish_lock = asyncio.Lock()
         self.cleanup_lock = asyncio.Lock()
-        self.lane = SoloLane(
-            scoring_runs_alone(cfg)
-        )  # prompt scoring alone in vLLM where it must (solo_lane.py)
+        # Prompt scoring runs alone in vLLM where it must (inference/samplers/solo_lane.py).
+        self.lane = SoloLane(scoring_runs_alone(cfg))
         # Holds new requests while the trainer publishes the next version (inference/policy/gate.py).
         self.gate = Gate(lambda: registry.in_flight().get(registry.current.version, 0))
         self.stats = RequestStats()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,11 @@ class RankZeroRun:
 
 
 def three_steps(
-    out: Path, micro_batch_tokens: int, model: dict[str, Any], process_group: str, prepare: Any = None
+    out: Path,
+    micro_batch_tokens: int,
+    model: dict[str, Any],
+    process_group: str,
+    prepare: Callable[[], None] | None = None,
 ) -> RankZeroRun | None:
     """The tiny model (`model`: the config's model section) trained on the fixture batch whole, reversed (other
     shards) and as one example (fewer than the ranks); None on a rank other than 0, which follows rank 0's steps.

@@ -62,7 +62,6 @@ log = logging.getLogger("inference.gate")
 MAX_SEEN_ENVS = 256  # environment names counted for GET /policy: a client naming endless ones grows nothing
 MAX_GROUPS = 65536  # groups reserved on one version: past it, a group's further requests wait as any would
 DEADLINE_LOG_EVERY_S = 30.0
-DEFAULT_HOLD_S = GATE_HOLD_S  # a request's longest wait before the trainer has said otherwise
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,8 @@ class Gate:
         self.quota: int | None = None
         self.env_quotas: dict[str, int] = {}
         self.refill_s = 1.0
-        self.hold_s = DEFAULT_HOLD_S  # the longest any request waits, from its arrival
+        # The longest any request waits, from its arrival (publish.gate_hold_s's default until the trainer says).
+        self.hold_s = GATE_HOLD_S
         self.lead = 0  # versions of sampling ahead the quotas allow (see set_quota)
         self._lead_pending = 0  # the head start the next opening grants
         self._granted: int | None = None  # the current version's quota before a carry (a head start included)

@@ -64,9 +64,8 @@ def build_vllm_command(
     it; inference.samplers.vllm_guard reads it there).
     `serve_cli`: start it as `vllm serve MODEL` (None: where this interpreter has the `vllm` distribution)."""
     v = cfg.vllm
-    if (
-        serve_cli if serve_cli is not None else has_vllm_cli()
-    ):  # the model comes first (--model is deprecated for `vllm serve`)
+    if has_vllm_cli() if serve_cli is None else serve_cli:
+        # the model comes first (--model is deprecated for `vllm serve`)
         entry = ["-m", VLLM_SERVE_MODULE, "serve", model_path]
     else:
         entry = ["-m", VLLM_LEGACY_SERVER_MODULE, "--model", model_path]

@@ -339,7 +339,7 @@ def test_the_configuration_reference_is_what_the_generator_prints() -> None:
 # What a lab notebook says and a reference does not: the story of particular runs, fixes and sessions. docs/ states
 # what the code does; measured figures, with their commands and revisions, live in benchmarks/RESULTS.md.
 ANECDOTE = re.compile(
-    r"before the fix|in a CI run|a CI run|runs? measured|session notes?|this session|once failed|"
+    r"before the fix|a CI run|runs? measured|session notes?|this session|once failed|"
     r"\bin \d+ of \d+ runs\b|\b\d+ runs of \d+\b|\b(?:two|three|four) runs each\b|not explained",
     re.IGNORECASE,
 )

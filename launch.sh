@@ -313,11 +313,21 @@ verifiers_v1_file() {
   case "$1" in *.py) [ -f "$1" ] && grep -Eq '^[[:space:]]*(from|import)[[:space:]]+verifiers\.v1\b' "$1" ;; *) return 1 ;; esac
 }
 
-# VENV REQUIREMENTS: build (or update) a verifiers venv, stamped by the requirements file's hash.
+# VENV REQUIREMENTS: build (or update) a verifiers venv, stamped by the requirements file's hash. Two launches (or
+# the test command and CI's early build) asking at once: the second waits on the venv's lock, then finds the stamp.
 setup_verifiers_venv() {
-  local venv="$1" requirements="$2" stamp
+  local venv="$1" requirements="$2" stamp lock=""
   stamp="$venv/.installed-$(sha256sum <"$requirements" | cut -c1-16)"
   [ -f "$stamp" ] && return 0
+  if command -v flock >/dev/null; then
+    mkdir -p "$venv"
+    exec {lock}>"$venv/.setup-lock"
+    if ! flock -n "$lock"; then
+      echo "[launch.sh] $venv is being set up by another command: waiting for it" >&2
+      flock "$lock"
+    fi
+    if [ -f "$stamp" ]; then exec {lock}>&-; return 0; fi
+  fi
   need_disk "$venv" "$SETUP_DISK_GB_VERIFIERS" "$venv"
   echo "[launch.sh] setting up $venv for verifiers environments ($(grep -v '^#' "$requirements" | xargs))" >&2
   [ -x "$venv/bin/python" ] || "$VENV/bin/python" -m venv "$venv"
@@ -325,6 +335,7 @@ setup_verifiers_venv() {
   "$venv/bin/python" -m pip install -q -r "$requirements"
   rm -f "$venv"/.installed-*
   touch "$stamp"
+  if [ -n "$lock" ]; then exec {lock}>&-; fi
   echo "[launch.sh] verifiers environment ready" >&2
 }
 setup_verifiers() { setup_verifiers_venv "$VF_VENV" "$VF_REQUIREMENTS"; }

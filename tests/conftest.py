@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(2)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 TESTS = Path(__file__).resolve().parent
 # The tiers are folders: tests/unit (in-process, the fast tier), tests/integration (real vLLM, run-api, launch.sh,

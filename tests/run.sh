@@ -19,11 +19,15 @@ install_chromium() {
 # v1 (verifiers 0.4, which needs openai<3): .venv-verifiers-v1, about 1.5 minutes once. The two build side by side,
 # each into its own folder (a build already under way, CI's, is waited for: launch.sh locks each venv).
 setup_for_servers() {
+  local jobs=()
   install_chromium &
+  jobs+=($!)
   bash launch.sh --setup-verifiers || echo "[tests] could not set up .venv-verifiers: the verifiers test will skip" >&2 &
+  jobs+=($!)
   bash launch.sh --setup-verifiers-v1 \
     || echo "[tests] could not set up .venv-verifiers-v1: the verifiers v1 test will skip" >&2 &
-  wait
+  jobs+=($!)
+  wait "${jobs[@]}"
 }
 # The test that runs tinker-cookbook 0.6.1's own loops on the service needs the cookbook: installed without its
 # dependencies (the dev extra holds them) because one, tml-renderers (for two model families only), is not on every
@@ -40,11 +44,12 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_
 # On a machine whose torch sees a CUDA GPU the GPU tier (tests/gpu, marker gpu, deselected by pyproject's addopts)
 # runs too; elsewhere it is skipped, saying so.
 if [ $# -eq 0 ]; then
-  setup_for_servers > >(sed 's/^/[set-up beside the unit tier] /' >&2) 2>&1 &
+  # A pipe, not a process substitution: `wait` must not wait on the reader of the set-up's own output.
+  setup_for_servers 2>&1 | sed -u 's/^/[set-up beside the unit tier] /' >&2 &
   beside=$!
   unit=0
   "$PY" -m pytest -n 2 tests/unit || unit=$?
-  wait "$beside"
+  wait "$beside" || true  # best effort: what is missing makes its tests skip, saying why
   "$PY" -m pytest tests/integration || exit $?
   if "$PY" -m tests.gpu.available; then
     "$PY" -m pytest -m gpu tests/gpu || exit $?

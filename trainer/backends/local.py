@@ -28,6 +28,7 @@ from trainer.backends.collectives import (
     shard_indices,
     wrap_data_parallel,
 )
+from trainer.backends.expert_lora import per_expert_layout
 from trainer.backends.micro_batches import MicroBatch, causal_lm_logprobs
 from trainer.backends.packed_forward import enable_packed_attention
 from trainer.backends.run_state import atomic_dir, rng_state, seed_everything, set_rng_state
@@ -158,18 +159,20 @@ def adamw_step(optimizer: torch.optim.Optimizer, params: list[Any], adam: AdamPa
 
 
 def write_peft_adapter(peft_model: Any, adapter: str, dest: Path, dtype: torch.dtype) -> None:
-    """One adapter of `peft_model` as a vLLM-loadable folder (LoRA tensors only, in `dtype`), written atomically;
-    an existing folder is never overwritten."""
+    """One adapter of `peft_model` as a vLLM-loadable folder (LoRA tensors only, in `dtype`; a MoE model's expert
+    LoRA one expert at a time: trainer.backends.expert_lora), written atomically; an existing folder is never
+    overwritten."""
     from peft import get_peft_model_state_dict
 
     if dest.exists():
         raise FileExistsError(f"{dest} exists: adapter folders are never overwritten")
     state = get_peft_model_state_dict(peft_model, adapter_name=adapter, save_embedding_layers=False)
+    state, config = per_expert_layout(peft_model, adapter, state)  # unchanged unless experts are adapted
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
     with atomic_dir(dest) as tmp:
         save_file(tensors, str(tmp / ADAPTER_FILE))
         failpoint("adapter-save")
-        peft_model.peft_config[adapter].save_pretrained(str(tmp))
+        config.save_pretrained(str(tmp))
 
 
 class TokenLogprobs(torch.nn.Module):

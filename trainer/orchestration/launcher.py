@@ -263,7 +263,8 @@ def describe_teacher(cfg: RunConfig) -> str:
 
 
 def check_memory(cfg: RunConfig, model_path: str) -> None:
-    """Print the memory plan; refuse (before anything starts) a CUDA config that cannot fit its GPU."""
+    """Print the memory plan; refuse (before anything starts) a CUDA config that cannot fit its GPU, and adapters
+    the gateway's rank ceiling would refuse at the first publish."""
     from trainer.orchestration.preflight import plan_memory
 
     local = cfg.launch.backend == "local" and not attached(cfg)  # an engine's vLLM is planned by the engine
@@ -272,6 +273,22 @@ def check_memory(cfg: RunConfig, model_path: str) -> None:
     print("\n".join(lines), flush=True)
     if problems:
         raise ConfigError("the config does not fit its GPU:\n  - " + "\n  - ".join(problems))
+    if gateway is not None:
+        check_rank_ceiling(cfg, model_path, int(gateway["vllm"]["max_lora_rank"]))
+
+
+def check_rank_ceiling(cfg: RunConfig, model_path: str, ceiling: int) -> None:
+    from trainer.orchestration.model_shape import ModelShape, load_model_config, published_rank
+
+    config = load_model_config(model_path)
+    rank = published_rank(ModelShape.from_config(config), cfg) if config is not None else cfg.lora.rank
+    if rank > ceiling:
+        why = "" if rank == cfg.lora.rank else " (the experts of a MoE model train at twice lora.rank)"
+        raise ConfigError(
+            f"lora.rank={cfg.lora.rank} publishes adapters of rank {rank}{why}, above the gateway's "
+            f"inference.vllm.max_lora_rank={ceiling}, which would refuse the first one: set "
+            f"inference.vllm.max_lora_rank={rank} (or more), or a smaller lora.rank"
+        )
 
 
 def resolve_sampler_dtype(cfg: RunConfig) -> None:

@@ -179,6 +179,14 @@ def lora_targets(cfg: RunConfig) -> list[str]:
     return [m for m in (*ALL_LINEAR, "lm_head") if m in cfg.lora.target_modules]
 
 
+def published_rank(shape: ModelShape, cfg: RunConfig) -> int:
+    """The rank of the adapters the trainer publishes: lora.rank, or twice it when a MoE model's experts are
+    adapted (PEFT trains the fused gate_up experts at 2r, and every module is written at that rank:
+    trainer/backends/expert_lora.py). vLLM's --max-lora-rank must be at least this."""
+    adapts_experts = shape.experts is not None and bool(set(lora_targets(cfg)) & set(MLP_PROJECTIONS))
+    return cfg.lora.rank * (2 if adapts_experts else 1)
+
+
 @dataclass
 class Part:
     name: str

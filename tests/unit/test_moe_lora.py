@@ -235,6 +235,9 @@ def test_the_gateway_check_takes_the_per_expert_adapter_and_refuses_a_broken_one
     for what, path in cases.items():
         with pytest.raises(BackendError, match=messages[what]):
             validate_adapter(path, base, rank, 1e3)
+    backend.model.save_pretrained(str(tmp_path / "fused"))  # PEFT's own layout of the same weights
+    with pytest.raises(BackendError, match=r"adapts 'model\.layers\.\d+\.mlp\.experts.*not a linear module"):
+        validate_adapter(str(tmp_path / "fused"), base, rank, 1e3)
 
 
 def test_a_launch_refuses_a_rank_the_gateways_ceiling_would_refuse_at_the_first_publish(tmp_path):

@@ -48,9 +48,14 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     counts = vllm_starts(factory.getbasetemp())
     if counts:
-        files = len({name.split("/", 1)[0] for name in counts})
+        per_folder: dict[str, int] = {}
+        for name, n in counts.items():
+            folder = name.split("/", 1)[0]
+            per_folder[folder] = per_folder.get(folder, 0) + n
         terminalreporter.write_line(
-            f"vLLM starts in this session: {sum(counts.values())}, in the logs of {files} tests and fixtures"
+            f"vLLM starts in this session: {sum(counts.values())}, in the logs of {len(per_folder)} tests and "
+            "fixtures (temporary folder: starts): "
+            + ", ".join(f"{folder}: {n}" for folder, n in sorted(per_folder.items(), key=lambda kv: -kv[1]))
         )
 
 

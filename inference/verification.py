@@ -90,7 +90,9 @@ class PublishVerifier:
         started = time.perf_counter()
         tolerance = probe.tolerance
         if noise is not None:
-            tolerance = calibrated_tolerance(probe.tolerance, noise, probe.adapter_effect or 0.0)
+            tolerance = calibrated_tolerance(
+                probe.tolerance, noise, probe.adapter_effect or 0.0, probe.logit_spacing or 0.0
+            )
         try:
             served = await self.probe_answer(probe, policy)
         except BackendError:

@@ -250,6 +250,12 @@ class PublishProbe(BaseModel):
         description="mean |trainer logprob with the adapter - without| over the expected top-k ids: the bf16 "
         "rounding of an adapter grows with it, so the mean statistic's calibrated tolerance allows a share of it",
     )
+    logit_spacing: Annotated[Finite, Field(ge=0, le=1e4)] | None = Field(
+        None,
+        description="mean over the prompts of the spacing of representable logits (in the coarser of the trainer's "
+        "and vLLM's dtypes) at the largest expected top-k logit: one rounding step there moves a prompt's "
+        "logprobs by up to this much, so the mean statistic's calibrated tolerance adds it",
+    )
 
     @model_validator(mode="after")
     def _aligned(self) -> PublishProbe:

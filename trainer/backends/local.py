@@ -471,10 +471,10 @@ class LocalBackend:
     # --- publish verification -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def probe_logprobs(self, prompts: list[list[int]], adapter: bool = True) -> torch.Tensor:
-        """[P, V] float32 logprobs of the next token after each prompt (raw logits: what vLLM reports for a greedy
-        token), on CPU; with `adapter=False` the base model's. One forward of the equal-length prompts; no
-        gradients, dropout off."""
+    def probe_logits(self, prompts: list[list[int]], adapter: bool = True) -> torch.Tensor:
+        """[P, V] logits of the next token after each prompt, as float32 on CPU (raw: vLLM reports a greedy
+        token's logprobs before any processing); with `adapter=False` the base model's. One forward of the
+        equal-length prompts; no gradients, dropout off."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -483,7 +483,7 @@ class LocalBackend:
                 logits_BV = self.model(input_ids=ids_BT, use_cache=False).logits[:, -1].float()
         finally:
             self.model.train(was_training)
-        return torch.log_softmax(logits_BV, dim=-1).cpu()
+        return logits_BV.cpu()
 
     @contextlib.contextmanager
     def _weights_as_saved(self) -> Iterator[None]:
@@ -506,7 +506,7 @@ class LocalBackend:
 
     def probe(self, prompts: list[list[int]], top_k: int) -> list[dict[int, float]]:
         """For each prompt, the top-k logprobs of the next token: token id -> logprob."""
-        return top_logprobs(self.probe_logprobs(prompts), top_k)
+        return top_logprobs(torch.log_softmax(self.probe_logits(prompts), dim=-1), top_k)
 
     # --- saving ---------------------------------------------------------------------------------------------
 

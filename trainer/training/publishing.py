@@ -19,6 +19,7 @@ process open past its checkpoint.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import threading
 import time
@@ -61,15 +62,37 @@ def probe_prompts(vocab_size: int, count: int, length: int = PROBE_PROMPT_TOKENS
     ]
 
 
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
+TORCH_DTYPES |= {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def verify_dtypes(cfg: RunConfig, device_type: str) -> tuple[str, str, str]:
+    """The trainer's model dtype, the saved adapter's and vLLM's, as names ('auto' resolved for this device)."""
+    auto = "float32" if device_type == "cpu" else "bfloat16"
+    model = auto if cfg.model.dtype == "auto" else cfg.model.dtype
+    saved = auto if cfg.trainer.save_dtype == "auto" else cfg.trainer.save_dtype
+    return model, saved, sampler_dtype(cfg, cuda=device_type == "cuda")
+
+
+def logit_epsilon(cfg: RunConfig, device_type: str) -> float:
+    """The relative spacing of the coarser of the two dtypes the probe's logits are rounded to (the trainer's
+    model, vLLM's): 2**-7 when either is bfloat16."""
+    model, _, sampler = verify_dtypes(cfg, device_type)
+    return max(torch.finfo(TORCH_DTYPES.get(name, torch.float32)).eps for name in (model, sampler))
+
+
 def verify_tolerance(cfg: RunConfig, device_type: str) -> tuple[float, ProbeStatistic]:
     """The statistic the dtypes allow and its tolerance (publish.verify_tolerance when set): float32 end to end
     (trainer weights, saved adapter, vLLM) agrees to ~1e-5 on CPU, so the largest difference is held to 1e-3; a
     bfloat16 base, adapter or vLLM moves single logprobs by 0.1-0.3, so the mean difference is compared with a
     tolerance the gateway calibrates, which this value only floors."""
-    auto = "float32" if device_type == "cpu" else "bfloat16"
-    model = auto if cfg.model.dtype == "auto" else cfg.model.dtype
-    saved = auto if cfg.trainer.save_dtype == "auto" else cfg.trainer.save_dtype
-    exact = model == saved == sampler_dtype(cfg, cuda=device_type == "cuda") == "float32"
+    model, saved, sampler = verify_dtypes(cfg, device_type)
+    exact = model == saved == sampler == "float32"
     default = FLOAT32_TOLERANCE if exact else LOW_PRECISION_TOLERANCE
     tolerance = cfg.publish.verify_tolerance if cfg.publish.verify_tolerance is not None else default
     return tolerance, "max" if exact else "mean"
@@ -79,6 +102,18 @@ def adapter_effect(logprobs_PV: torch.Tensor, base_PV: torch.Tensor, top: list[d
     """Mean |logprob with the adapter - without| over the ids of `top` (the expected top-k of each prompt)."""
     diffs = [abs(logprobs_PV[i, t] - base_PV[i, t]).item() for i, ids in enumerate(top) for t in ids]
     return sum(diffs) / len(diffs) if diffs else 0.0
+
+
+def logit_spacing(logits_PV: torch.Tensor, top: list[dict[int, float]], epsilon: float) -> float:
+    """Mean over the prompts of the spacing of representable logits at the largest |logit| among each prompt's
+    expected top-k ids. Two implementations that round a logit to neighbouring values (0.125 apart in bfloat16 for
+    logits in [16, 32)) move every logprob of that prompt by up to this much through the log-sum-exp; a sharpening
+    policy's logits grow, and so does this part of the noise, which the base model's calibration never sees."""
+    spacings = []
+    for i, ids in enumerate(top):
+        largest = max((abs(logits_PV[i, t].item()) for t in ids), default=0.0)
+        spacings.append(epsilon * 2.0 ** math.floor(math.log2(largest)) if largest > 0 else 0.0)
+    return sum(spacings) / len(spacings) if spacings else 0.0
 
 
 @dataclass
@@ -108,6 +143,7 @@ class Publisher:
             cfg, getattr(getattr(local, "device", None), "type", "cpu")
         )
         self._probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probe")
+        self._logit_epsilon = logit_epsilon(cfg, getattr(getattr(local, "device", None), "type", "cpu"))
         self._base_logprobs: torch.Tensor | None = None  # the probe's answers with the adapter off, once
         self._previous: list[dict[int, float]] | None = None  # the last verified version's expected answers
 
@@ -121,14 +157,19 @@ class Publisher:
         started = time.perf_counter()
         prompts = probe_prompts(self.backend.vocab_size, self.cfg.publish.verify_prompts)
         references: dict[str, list[dict[int, float]]] = {}
-        effect = None
-        if hasattr(self.backend, "probe_logprobs"):
-            logprobs_PV = self.backend.probe_logprobs(prompts)
+        effect = spacing = None
+        if hasattr(self.backend, "probe_logits"):
+            logits_PV = self.backend.probe_logits(prompts)
+            logprobs_PV = torch.log_softmax(logits_PV, dim=-1)
             top = top_logprobs(logprobs_PV, PROBE_TOP_K)
             if self._base_logprobs is None:
-                self._base_logprobs = self.backend.probe_logprobs(prompts, adapter=False)
+                self._base_logprobs = torch.log_softmax(
+                    self.backend.probe_logits(prompts, adapter=False), dim=-1
+                )
             references["base"] = top_logprobs(self._base_logprobs, PROBE_TOP_K)
             effect = adapter_effect(logprobs_PV, self._base_logprobs, top)
+            if self.statistic == "mean":
+                spacing = logit_spacing(logits_PV, top, self._logit_epsilon)
         else:
             top = self.backend.probe(prompts, PROBE_TOP_K)  # type: ignore[attr-defined]
         if self._previous is not None:
@@ -140,6 +181,7 @@ class Publisher:
             statistic=self.statistic,
             references=references,
             adapter_effect=effect,
+            logit_spacing=spacing,
         )
         return probe, time.perf_counter() - started
 

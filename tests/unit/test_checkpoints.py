@@ -227,3 +227,35 @@ def test_a_fresh_run_too_big_for_the_disk_is_warned_about_at_start(tmp_path, cap
     )
     warn_if_disk_short(cfg, small, tmp_path, LoopState())  # type: ignore[arg-type]
     assert caplog.text == ""
+
+
+def test_environments_register_once_the_trainer_has_registered_and_opened_run_api(tmp_path):
+    """Atropos's own run-api (in process) refuses an environment until the trainer's first GET /batch: a fresh run
+    registers and opens it before vLLM is up, so its environments register and pause meanwhile. A batch that was
+    already there is not lost: the loop's first fetch gets it."""
+    from atroposlib.api.server import app
+    from fastapi.testclient import TestClient
+
+    cfg = load_config(RunConfig, None, [f"trainer.output_dir={tmp_path}"])
+    env = {"max_token_length": 256, "desired_name": "toy", "weight": 1.0, "group_size": 2}
+    with TestClient(app) as client:
+        try:
+            api = RunApi(cfg, "http://testserver", "run-api.log")
+            api._http = client
+            api.register(0)
+            assert client.post("/register-env", json=env).json() == {"status": "wait for trainer to start"}
+            api.open_to_environments()
+            assert "env_id" in client.post("/register-env", json=env).json()
+            assert api.fetch_batch() is None  # nothing sent yet
+        finally:
+            client.get("/reset_data")
+
+    held = [{"tokens": [[1]]}]
+    answers = [{"batch": held}, {"batch": None}]
+    api = RunApi(cfg, "http://run-api", "run-api.log")
+    api._http = httpx.Client(
+        transport=httpx.MockTransport(lambda request: httpx.Response(200, json=answers.pop(0))),
+        base_url="http://run-api",
+    )
+    api.open_to_environments()
+    assert api.fetch_batch() == held and api.fetch_batch() is None and not answers

@@ -1,13 +1,15 @@
-"""The launcher's start order: run-api and the gateway at once; the trainer loads its model while vLLM boots
-unless the two may share a GPU; the environments once the gateway is healthy."""
+"""The launcher's start order: run-api and the gateway at once; the trainer loads its model and the environments
+start while vLLM boots, unless the trainer and vLLM may share a GPU: then the environments once the gateway is
+healthy, and the trainer last."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 
-from trainer.orchestration import launcher
+from trainer.orchestration import launcher, supervisor
 from trainer.training.config import RunConfig, load_config
 
 
@@ -26,18 +28,26 @@ class FakeComponent:
         return "(log tail)"
 
 
-def started(monkeypatch, early: bool, trainer_exit: int | None = None) -> list[str]:
+def started(
+    monkeypatch, early: bool, trainer_exit: int | None = None, env_exit: int | None = None
+) -> list[str]:
     events: list[str] = []
     monkeypatch.setattr(launcher, "trainer_starts_with_vllm", lambda cfg: early)
-    monkeypatch.setattr(
-        launcher, "wait_http", lambda url, comp, timeout, what: events.append(f"{comp.name} {what}")
-    )
+    real_wait = launcher.wait_http
+
+    def wait_http(url, comp, timeout, what, watched=()):
+        events.append(f"{comp.name} {what}")
+        real_wait(url, comp, timeout, what, watched)  # answered at once: what it checks first is the exits
+
+    monkeypatch.setattr(launcher, "wait_http", wait_http)
+    monkeypatch.setattr(supervisor.httpx, "get", lambda url, timeout: httpx.Response(200))
     monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
     cfg = load_config(
         RunConfig, None, ["launch.run_api_url=http://127.0.0.1:1", "launch.gateway_url=http://127.0.0.1:2"]
     )
     names = ("run-api", "gateway", "env", "trainer")
-    comps = [FakeComponent(n, events, trainer_exit if n == "trainer" else None) for n in names]
+    exits = {"trainer": trainer_exit, "env": env_exit}
+    comps = [FakeComponent(n, events, exits.get(n)) for n in names]
     launcher.start_all(comps, cfg, Path("run"))  # type: ignore[arg-type]
     return events
 
@@ -48,8 +58,8 @@ def test_the_trainer_loads_while_vllm_boots_where_they_share_no_gpu(monkeypatch)
         "start gateway",
         "run-api answering /status",
         "start trainer",
-        "gateway healthy",
         "start env",
+        "gateway healthy",
     ]
 
 
@@ -64,9 +74,15 @@ def test_the_trainer_starts_last_where_it_may_share_vllms_gpu(monkeypatch):
     ]
 
 
-def test_a_trainer_that_died_while_vllm_booted_stops_the_start(monkeypatch):
-    with pytest.raises(launcher.LaunchError, match="trainer exited with code 2"):
+def test_a_trainer_or_environment_that_died_while_vllm_booted_stops_the_start(monkeypatch):
+    with pytest.raises(
+        launcher.LaunchError, match="trainer exited with code 2 before the gateway was healthy"
+    ):
         started(monkeypatch, early=True, trainer_exit=2)
+    with pytest.raises(launcher.LaunchError, match="env exited with code 1 before the gateway was healthy"):
+        started(monkeypatch, early=True, env_exit=1)
+    with pytest.raises(launcher.LaunchError, match=r"env exited with code 1; read env\.log"):
+        started(monkeypatch, early=False, env_exit=1)  # started after the gateway: seen a moment later
 
 
 def test_only_a_local_trainer_on_a_cuda_machine_waits_for_vllm(monkeypatch, tmp_path):

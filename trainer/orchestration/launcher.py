@@ -344,10 +344,15 @@ def trainer_starts_with_vllm(cfg: RunConfig) -> bool:
     return cfg.launch.backend != "local" or not checks.NVIDIA_CONTROL.exists()
 
 
+ENV_EXIT_GRACE_S = 1.0  # an environment with a bad flag exits at once: said before the trainer's first step
+
+
 def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> None:
-    """run-api and the gateway at once (neither needs the other); the trainer as soon as run-api answers when it may
-    load its model while vLLM boots (trainer_starts_with_vllm), else last; the environments once the gateway is
-    healthy (vLLM answered a real completion)."""
+    """run-api and the gateway at once (neither needs the other); once run-api answers, the trainer when it may load
+    its model while vLLM boots (trainer_starts_with_vllm), and then the environments too: their imports and
+    Atropos's own start-up pause (5 s) overlap vLLM's start, and their first requests wait in the gateway until vLLM
+    serves. Where the trainer must wait (a GPU vLLM shares), everything else waits for the gateway's health (vLLM
+    answered a real completion): environments, then the trainer."""
     assert cfg.launch.run_api_url is not None and cfg.launch.gateway_url is not None
     api, trainer = components[0], components[-1]
     gateway = next((c for c in components if c.name == "gateway"), None)  # None: attached to an engine
@@ -359,15 +364,23 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
     early = trainer_starts_with_vllm(cfg) or gateway is None
     if early:
         trainer.start()
+        for env in envs:
+            env.start()
+    envs_started = time.monotonic()
     if gateway is not None:
         print(
             f"waiting for the gateway and vLLM (log: {gateway.log}, {run_dir / 'logs' / 'vllm.log'})",
             flush=True,
         )
-        wait_http(f"{cfg.launch.gateway_url}/health", gateway, cfg.launch.health_timeout_s, "healthy")
-    for env in envs:
-        env.start()
-    time.sleep(1.0)  # an environment with a bad flag exits at once: say so before the trainer starts
+        watched = [trainer, *envs] if early else []
+        wait_http(
+            f"{cfg.launch.gateway_url}/health", gateway, cfg.launch.health_timeout_s, "healthy", watched
+        )
+    if not early:
+        for env in envs:
+            env.start()
+        envs_started = time.monotonic()
+    time.sleep(max(0.0, ENV_EXIT_GRACE_S - (time.monotonic() - envs_started)))
     for env in envs:
         if env.exited() is not None:
             raise LaunchError(f"{env.name} exited with code {env.exited()}; read {env.log}:\n{env.tail()}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +41,19 @@ class LaunchError(RuntimeError):
     """A component could not start or died past its restart budget; the message names the log to read."""
 
 
-def wait_http(url: str, comp: Component, timeout_s: float, what: str) -> None:
+def wait_http(
+    url: str, comp: Component, timeout_s: float, what: str, watched: Sequence[Component] = ()
+) -> None:
+    """Wait for `url` to answer 200; the exit of `comp`, or of a `watched` component meanwhile, is a LaunchError."""
+
     def answered() -> bool:
-        code = comp.exited()
-        if code is not None:
-            raise LaunchError(
-                f"{comp.name} exited with code {code} before {what}; read {comp.log}:\n{comp.tail()}"
-            )
+        for one in (comp, *watched):
+            code = one.exited()
+            if code is not None:
+                when = what if one is comp else f"the {comp.name} was {what}"
+                raise LaunchError(
+                    f"{one.name} exited with code {code} before {when}; read {one.log}:\n{one.tail()}"
+                )
         with contextlib.suppress(httpx.HTTPError):
             return httpx.get(url, timeout=5).status_code == 200
         return False

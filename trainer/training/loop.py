@@ -46,7 +46,8 @@ from trainer.training.recovery import (
     RunTotals,
     ensure_gateway_policy,
     read_tally,
-    resume,
+    republish,
+    restore,
     save_checkpoint,
     warn_if_disk_short,
 )
@@ -80,6 +81,15 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     api = RunApi(cfg, cfg.launch.run_api_url, str(run_dir / "logs" / "run-api.log"))
     stopper = Stopper()
     stopper.install()
+    state = restore(backend, run_dir)
+    # A fresh run without a share quota registers with run-api at once: its environments (started beside vLLM by
+    # the launcher) then get through Atropos's registration and start-up pause while vLLM boots, and their first
+    # requests, for the base model, wait in the gateway. A resumed run first makes its version current, and a
+    # quota must be in place before anything samples (_Steps.start).
+    registered = state.step == 0 and state.version == 0 and not cfg.share_quota()
+    if registered:
+        api.register(state.step)
+        api.open_to_environments()
     # The launcher may start the trainer while vLLM boots: wait for the gateway here, not in a publish's retries.
     what = f"the gateway at {cfg.launch.gateway_url} healthy"
     wait_until(lambda: stopper.requested or gateway.health(), cfg.launch.health_timeout_s, what, 0.2)
@@ -93,12 +103,12 @@ def _run_main(cfg: RunConfig, backend: TrainingBackend, run_dir: Path) -> bool:
     publisher = Publisher(
         cfg, backend, gateway, overlap=cfg.publish.overlap and (gate or cfg.rollout.max_staleness >= 1)
     )
-    state = resume(backend, publisher, run_dir)
+    republish(backend, publisher, run_dir, state)
     if state.step >= cfg.rollout.num_steps:
         log.info("the run is already at step %d of %d: nothing to do", state.step, cfg.rollout.num_steps)
         return True
     warn_if_disk_short(cfg, backend, run_dir, state)
-    steps = _Steps.start(cfg, backend, gateway, api, publisher, state, run_dir, stopper)
+    steps = _Steps.start(cfg, backend, gateway, api, publisher, state, run_dir, stopper, registered)
     try:
         while state.step < cfg.rollout.num_steps:
             steps.step()
@@ -148,6 +158,7 @@ class _Steps:
         state: LoopState,
         run_dir: Path,
         stopper: Stopper,
+        registered: bool = False,
     ) -> _Steps:
         quota_on = None
         if cfg.share_quota():
@@ -155,7 +166,8 @@ class _Steps:
             # mixed run's environment that started more than its share would keep a stale group queued for the run.
             _close_gate(cfg, gateway, state.version)
             quota_on = gateway.status().instance
-        api.register(state.step)
+        if not registered:
+            api.register(state.step)
         shares = env_shares(cfg) if quota_on is not None else None
         return cls(
             cfg,

@@ -89,9 +89,9 @@ def warn_if_disk_short(cfg: RunConfig, backend: TrainingBackend, run_dir: Path, 
         )
 
 
-def resume(backend: TrainingBackend, publisher: Publisher, run_dir: Path) -> LoopState:
-    """Repair the run folder after whatever stopped the last trainer, load the newest complete checkpoint (if
-    any), and make its adapter the gateway's current policy, retracting versions published after it."""
+def restore(backend: TrainingBackend, run_dir: Path) -> LoopState:
+    """Repair the run folder after whatever stopped the last trainer and load the newest complete checkpoint (if
+    any). Needs no gateway: the trainer does it while vLLM may still be starting."""
     fixed = repair(run_dir)
     for path in fixed.swept:
         log.info("removed an interrupted write: %s", path)
@@ -105,6 +105,11 @@ def resume(backend: TrainingBackend, publisher: Publisher, run_dir: Path) -> Loo
         log.info(
             "dropped %d metrics rows after step %d: they are redone", fixed.metrics_rows_dropped, state.step
         )
+    return state
+
+
+def republish(backend: TrainingBackend, publisher: Publisher, run_dir: Path, state: LoopState) -> None:
+    """Make the restored state's adapter the gateway's current policy, retracting versions published after it."""
     adapter: str | None = None
     if state.version > 0:
         saved = adapter_dir(run_dir, state.version)
@@ -112,7 +117,6 @@ def resume(backend: TrainingBackend, publisher: Publisher, run_dir: Path) -> Loo
     reply = publisher.republish(state.version, adapter)
     if reply.retracted:
         log.warning("the gateway retracted versions %s of the interrupted run", reply.retracted)
-    return state
 
 
 def ensure_gateway_policy(

@@ -34,6 +34,7 @@ class RunApi:
         self.reregistrations = 0
         self.unanswered = 0  # re-registrations in a row that run-api did not take
         self._env_names: dict[int, str] = {}
+        self._held: list[Any] | None = None  # a batch open_to_environments took, for the next fetch_batch
 
     def register(self, starting_step: int) -> None:
         self.step = starting_step
@@ -53,7 +54,16 @@ class RunApi:
         }
         self.edge.call(lambda: checked(self._http.post("/register", json=body)), "/register")
 
+    def open_to_environments(self) -> None:
+        """run-api lets environments register only once the trainer has asked for a batch: ask now (after
+        `register`), so they get through registration while the trainer still waits for something else. A batch
+        that is already there is kept for the loop's first fetch_batch."""
+        self._held = self.fetch_batch()
+
     def fetch_batch(self) -> list[Any] | None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            return held
         body = self.edge.call(lambda: checked(self._http.get("/batch")), "/batch").json()
         if (
             isinstance(body, dict)

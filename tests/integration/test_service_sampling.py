@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -321,26 +322,39 @@ def test_a_killed_gateway_is_restarted_and_samplers_load_again(launched):
     wait_until(lambda: not any(alive(p) for p in vllm), 30, "the old vLLM gone", 0.5)
 
 
-def test_a_session_that_stops_heartbeating_is_released_and_live_ones_stay(launched):
-    url, _, _ = launched
-    live = trained(url)  # its SDK heartbeats
-    api = f"{url}/api/v1"
-    session = httpx.post(f"{api}/create_session", json={}).json()[
-        "session_id"
-    ]  # a script killed after its start
+@dataclass(frozen=True)
+class SilentSession:
+    session_id: str
+    model_id: str
+
+
+@pytest.fixture(scope="module", autouse=True)
+def silent_session(launched) -> SilentSession:
+    """A session with a training client whose script was killed after its start: it never heartbeats. Opened at
+    the module's start, so that its timeout runs out while the tests before the one that checks it run."""
+    api = f"{launched[0]}/api/v1"
+    session = httpx.post(f"{api}/create_session", json={}).json()["session_id"]
     created = httpx.post(
         f"{api}/create_model",
         json={"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}},
     ).json()
-    assert "model_id" in httpx.post(f"{api}/retrieve_future", json=created, timeout=60).json()
+    model_id = httpx.post(f"{api}/retrieve_future", json=created, timeout=60).json()["model_id"]
+    return SilentSession(session, model_id)
+
+
+def test_a_session_that_stops_heartbeating_is_released_and_live_ones_stay(launched, silent_session):
+    url, _, _ = launched
+    live = trained(url)  # its SDK heartbeats
+    api = f"{url}/api/v1"
     sampler = live.save_weights_and_get_sampling_client().result()
 
-    def clients() -> int:
-        return int(httpx.get(f"{url}/health").json()["clients"])
+    def released() -> bool:  # asked without a heartbeat, which would keep the silent session alive
+        info = httpx.post(f"{api}/get_info", json={"model_id": silent_session.model_id})
+        return info.status_code != 200 and "no training client" in info.text
 
-    held = clients()
-    wait_until(lambda: clients() == held - 1, SESSION_TIMEOUT_S + 40, "the silent session released", 1.0)
-    assert httpx.post(f"{api}/session_heartbeat", json={"session_id": session}).status_code == 410
+    wait_until(released, SESSION_TIMEOUT_S + 40, "the silent session released", 1.0)
+    answer = httpx.post(f"{api}/session_heartbeat", json={"session_id": silent_session.session_id})
+    assert answer.status_code == 410
     assert sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2)).result()
     assert live.forward_backward(
         [

@@ -200,8 +200,9 @@ def test_the_launcher_writes_the_report_however_the_run_ends(tmp_path, monkeypat
     monkeypatch.setattr(launcher, "check_memory", lambda cfg, model: None)
     monkeypatch.setattr(launcher, "write_run_folder", lambda *a: [])
     monkeypatch.setattr(launcher, "start_all", lambda *a: None)
-    monkeypatch.setattr(launcher, "stop_all", lambda components: None)
-    monkeypatch.setattr(launcher, "write_report", lambda run_dir, how: ended.append(how))
+    monkeypatch.setattr(launcher, "stop_all", lambda components: ended.append("stopped the rest"))
+    monkeypatch.setattr(launcher, "start_report", lambda run_dir, how: ended.append(how) or "not started")
+    monkeypatch.setattr(launcher, "finish_report", lambda run_dir, report: None)
 
     def supervised(outcome: str):
         class Supervisor:
@@ -224,42 +225,73 @@ def test_the_launcher_writes_the_report_however_the_run_ends(tmp_path, monkeypat
     monkeypatch.setattr(launcher, "Supervisor", supervised("fails"))
     with pytest.raises(LaunchError):
         launcher.launch(cfg, tmp_path, dry_run=False, resumed=False)
+    # With the trainer gone (here: none started), the report is started before the other components stop.
     assert ended == [
         "finished",
+        "stopped the rest",
         "stopped by SIGTERM",
+        "stopped the rest",
         "failed: trainer exited with code 1 and restarts are off",
+        "stopped the rest",
     ]
     assert signal.getsignal(signal.SIGTERM) is handler  # the launcher put its handlers back
+
+
+class FakeReportProcess:
+    """subprocess.Popen for the report child: `answer(argv, timeout)` gives (returncode, stdout, stderr) or raises."""
+
+    answer: Any = None
+
+    def __init__(self, argv: list[str], **kw: Any) -> None:
+        self.argv, self.returncode, self.killed = argv, None, False
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        if self.killed:
+            return "", ""
+        self.returncode, out, err = type(self).answer(self.argv, timeout)
+        return out, err
+
+    def kill(self) -> None:
+        self.killed = True
 
 
 def test_the_launchers_report_step_is_one_line_whatever_happens(tmp_path, monkeypatch, capsys):
     run = make_run(tmp_path / "run", [row(1)])
 
-    def in_process(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
-        assert argv[1:3] == ["-m", "trainer.readout.report"] and kw["timeout"] == launcher.REPORT_TIMEOUT_S
+    def in_process(argv: list[str], timeout: float) -> tuple[int, str, str]:
+        assert argv[1:3] == ["-m", "trainer.readout.report"] and timeout == launcher.REPORT_TIMEOUT_S
         code = report.main(argv[3:])
-        return subprocess.CompletedProcess(argv, code, capsys.readouterr().out, "")
+        return code, capsys.readouterr().out, ""
 
-    monkeypatch.setattr(launcher.subprocess, "run", in_process)
-    launcher.write_report(run, "stopped by SIGINT")
+    monkeypatch.setattr(launcher.subprocess, "Popen", FakeReportProcess)
+    FakeReportProcess.answer = in_process
+    launcher.finish_report(run, launcher.start_report(run, "stopped by SIGINT"))
     assert capsys.readouterr().out == f"report: {run / 'report' / 'report.md'}\n"
     assert "| ended | stopped by SIGINT |" in (run / "report" / "report.md").read_text()
 
-    def fails(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
-        return subprocess.CompletedProcess(argv, 1, "", "Traceback ...\nValueError: bad\n")
+    def fails(argv: list[str], timeout: float) -> tuple[int, str, str]:
+        return 1, "", "Traceback ...\nValueError: bad\n"
 
-    def hangs(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
-        raise subprocess.TimeoutExpired(argv, kw["timeout"])
+    def hangs(argv: list[str], timeout: float) -> tuple[int, str, str]:
+        raise subprocess.TimeoutExpired(argv, timeout)
 
-    def interrupted(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    def interrupted(argv: list[str], timeout: float) -> tuple[int, str, str]:
         raise KeyboardInterrupt
 
     timeout = f"took over {launcher.REPORT_TIMEOUT_S:.0f} s"
     for fake, said in [(fails, "ValueError: bad"), (hangs, timeout), (interrupted, "cut short")]:
-        monkeypatch.setattr(launcher.subprocess, "run", fake)
-        launcher.write_report(run, "finished")
+        FakeReportProcess.answer = fake
+        launcher.finish_report(run, launcher.start_report(run, "finished"))
         out = capsys.readouterr().out
         assert out.count("\n") == 1 and said in out and "python -m trainer report" in out, out
+
+    def cannot_start(argv: list[str], **kw: Any) -> None:
+        raise OSError("no such interpreter")
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", cannot_start)
+    launcher.finish_report(run, launcher.start_report(run, "finished"))
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "no report (no such interpreter)" in out, out
 
 
 def test_the_help_says_where_one_runs_report_goes(capsys):

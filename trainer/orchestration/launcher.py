@@ -484,9 +484,14 @@ def run_components(
         # to verify and serve it) and writes a final checkpoint; then everything else.
         if components:  # api, gateway (unless attached), *envs, trainer (build_components)
             stop_first(components[-1], TRAINER_STOP_S)
+        # The report reads what the trainer and the launcher wrote: with the trainer gone it is written while the
+        # other components stop (vLLM takes a second or two), else once everything is stopped.
+        report = (
+            start_report(run_dir, ended) if not components or components[-1].exited() is not None else None
+        )
         stop_all(components + ([dashboard] if dashboard else []))
         # While our handlers stand: a second Ctrl-C cuts the report short, not the launcher.
-        write_report(run_dir, ended)
+        finish_report(run_dir, report or start_report(run_dir, ended))
         for s, handler in old.items():
             signal.signal(s, handler)
 
@@ -495,27 +500,38 @@ TRAINER_STOP_S = 20.0  # a stopping trainer's step, publish and checkpoint (the 
 REPORT_TIMEOUT_S = 20.0  # a 30-step run takes 1.5-3 s, a 100k-step one about 10 s (2-core box)
 
 
-def write_report(run_dir: Path, ended: str) -> None:
-    """RUN_DIR/report/ (`python -m trainer report RUN_DIR`), rewritten whenever a run ends, stops or fails. In a
-    child process with a deadline: matplotlib's import stays out of the launcher, and neither a slow nor a failing
-    report can hold up or fail the launcher's exit; whatever happens is one line."""
+def start_report(run_dir: Path, ended: str) -> subprocess.Popen[str] | str:
+    """Start writing RUN_DIR/report/ (`python -m trainer report RUN_DIR`), rewritten whenever a run ends, stops or
+    fails; in a child process with a deadline (finish_report): matplotlib's import stays out of the launcher, and
+    neither a slow nor a failing report can hold up or fail the launcher's exit. A process that cannot start is
+    the reason, as a string."""
     argv = [PY, "-m", "trainer.readout.report", str(run_dir), "--ended", ended]
-    by_hand = f"write it with: {PY} -m trainer report {run_dir}"
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=REPORT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        print(f"launch.sh: no report: it took over {REPORT_TIMEOUT_S:.0f} s; {by_hand}", flush=True)
-        return
-    except KeyboardInterrupt:
-        print(f"launch.sh: report cut short by a signal; {by_hand}", flush=True)
-        return
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     except OSError as exc:
-        print(f"launch.sh: no report ({exc}); {by_hand}", flush=True)
+        return str(exc)
+
+
+def finish_report(run_dir: Path, report: subprocess.Popen[str] | str) -> None:
+    """Wait for the report started by start_report, within REPORT_TIMEOUT_S; whatever happens is one line."""
+    by_hand = f"write it with: {PY} -m trainer report {run_dir}"
+    if isinstance(report, str):
+        print(f"launch.sh: no report ({report}); {by_hand}", flush=True)
         return
-    if proc.returncode == 0 and proc.stdout.strip():
-        print(f"report: {proc.stdout.strip().splitlines()[-1]}", flush=True)
+    try:
+        out, err = report.communicate(timeout=REPORT_TIMEOUT_S)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
+        report.kill()
+        report.communicate()
+        if isinstance(exc, KeyboardInterrupt):
+            print(f"launch.sh: report cut short by a signal; {by_hand}", flush=True)
+        else:
+            print(f"launch.sh: no report: it took over {REPORT_TIMEOUT_S:.0f} s; {by_hand}", flush=True)
         return
-    why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    if report.returncode == 0 and out.strip():
+        print(f"report: {out.strip().splitlines()[-1]}", flush=True)
+        return
+    why = (err.strip().splitlines() or [f"exit code {report.returncode}"])[-1]
     print(f"launch.sh: no report ({why}); {by_hand}", flush=True)
 
 

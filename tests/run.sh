@@ -47,20 +47,9 @@ if [ $# -eq 0 ]; then
   # A pipe, not a process substitution: `wait` must not wait on the reader of the set-up's own output.
   setup_for_servers 2>&1 | sed -u 's/^/[set-up beside the unit tier] /' >&2 &
   beside=$!
-  # A check that must pass before the servers' tier, run beside the unit tier: CI's type check (.ci/run sets it),
-  # one process, whose ~1 minute then shares the two cores with the unit tier's workers instead of adding to them.
-  check=""
-  if [ -n "${TESTS_CHECK_BESIDE_UNIT_TIER:-}" ]; then
-    bash -c "$TESTS_CHECK_BESIDE_UNIT_TIER" &
-    check=$!
-  fi
   unit=0
   "$PY" -m pytest -n 2 tests/unit || unit=$?
   wait "$beside" || true  # best effort: what is missing makes its tests skip, saying why
-  if [ -n "$check" ] && ! wait "$check"; then
-    echo "[tests] failed: $TESTS_CHECK_BESIDE_UNIT_TIER" >&2
-    exit 1
-  fi
   "$PY" -m pytest tests/integration || exit $?
   if "$PY" -m tests.gpu.available; then
     "$PY" -m pytest -m gpu tests/gpu || exit $?

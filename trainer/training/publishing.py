@@ -62,15 +62,6 @@ def probe_prompts(vocab_size: int, count: int, length: int = PROBE_PROMPT_TOKENS
     ]
 
 
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-}
-TORCH_DTYPES |= {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
-
-
 def verify_dtypes(cfg: RunConfig, device_type: str) -> tuple[str, str, str]:
     """The trainer's model dtype, the saved adapter's and vLLM's, as names ('auto' resolved for this device)."""
     auto = "float32" if device_type == "cpu" else "bfloat16"
@@ -83,7 +74,8 @@ def logit_epsilon(cfg: RunConfig, device_type: str) -> float:
     """The relative spacing of the coarser of the two dtypes the probe's logits are rounded to (the trainer's
     model, vLLM's): 2**-7 when either is bfloat16."""
     model, _, sampler = verify_dtypes(cfg, device_type)
-    return max(torch.finfo(TORCH_DTYPES.get(name, torch.float32)).eps for name in (model, sampler))
+    # vLLM's --dtype names (float32, float, bfloat16, float16, half) are torch's own attribute names.
+    return max(torch.finfo(getattr(torch, name, torch.float32)).eps for name in (model, sampler))
 
 
 def verify_tolerance(cfg: RunConfig, device_type: str) -> tuple[float, ProbeStatistic]:
@@ -139,11 +131,10 @@ class Publisher:
                 cfg.launch.backend,
             )
         local = getattr(backend, "local", backend)
-        self.tolerance, self.statistic = verify_tolerance(
-            cfg, getattr(getattr(local, "device", None), "type", "cpu")
-        )
+        device_type = getattr(getattr(local, "device", None), "type", "cpu")
+        self.tolerance, self.statistic = verify_tolerance(cfg, device_type)
+        self._logit_epsilon = logit_epsilon(cfg, device_type)
         self._probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probe")
-        self._logit_epsilon = logit_epsilon(cfg, getattr(getattr(local, "device", None), "type", "cpu"))
         self._base_logprobs: torch.Tensor | None = None  # the probe's answers with the adapter off, once
         self._previous: list[dict[int, float]] | None = None  # the last verified version's expected answers
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -262,14 +263,34 @@ def watch_the_dashboard(proc: subprocess.Popen[str], tmp_path: Path) -> list[str
     return seen
 
 
+def stall_the_trainer(run_dir: Path, after_steps: int, stall_s: float) -> int:
+    """Stop the run's trainer (SIGSTOP) for `stall_s` once it has written `after_steps` rows; returns the rows
+    written when it was stopped."""
+    metrics = run_dir / "metrics.jsonl"
+
+    def steps() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+    wait_until(lambda: steps() >= after_steps, 300, "the run's first steps", 0.05)
+    trainer = json.loads((run_dir / "pids.json").read_text())["trainer"]
+    os.kill(trainer, signal.SIGSTOP)
+    try:
+        stalled_at = steps()
+        time.sleep(stall_s)
+    finally:
+        os.kill(trainer, signal.SIGCONT)
+    return stalled_at
+
+
 def test_staleness_window_is_enforced_and_the_live_dashboard_shows_the_run(tmp_path, shared_engine):
     """One launch for two checks (each launch pays a vLLM start): the staleness window, and the dashboard of a real
     run (`launch.dashboard=true`) growing in a browser."""
     run_dir = tmp_path / "run"
-    # The env may run 4 batches ahead, so some rollouts arrive more than 1 version old. (With a window of 2, an
-    # unloaded machine consumed every batch within 2 versions: the lag depends on how fast sampling is relative
-    # to training, and a window of 1 is exceeded either way.) The publish runs inline here (publish.overlap off),
-    # the path the other runs do not take.
+    # The env may run 4 batches ahead. Whether it does depends on sampling outpacing training, which on a toy model
+    # is a coin toss (one CI run dropped nothing in 12 steps), so the trainer is stalled (SIGSTOP: a slow step, a
+    # long pause) after its second step while the env fills its 4 batches at one version; the third and fourth of
+    # them are 2 and 3 versions old when the trainer takes them. The publish runs inline here (publish.overlap
+    # off), the path the other runs do not take.
     cmd = launch_cmd(
         run_dir,
         "rollout.max_staleness=1",
@@ -280,6 +301,7 @@ def test_staleness_window_is_enforced_and_the_live_dashboard_shows_the_run(tmp_p
         *on_engine(shared_engine),
     )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stall = ThreadPoolExecutor(1).submit(stall_the_trainer, run_dir, after_steps=2, stall_s=8.0)
     try:
         seen = watch_the_dashboard(proc, tmp_path)
         rest, _ = proc.communicate(timeout=600)
@@ -289,8 +311,10 @@ def test_staleness_window_is_enforced_and_the_live_dashboard_shows_the_run(tmp_p
             proc.wait(timeout=60)
     out = "".join(seen) + rest
     assert proc.returncode == 0, out[-3000:]
+    stalled_at = stall.result(timeout=10)
     assert (run_dir / "logs" / "dashboard.log").is_file()
     rows = read_metrics(run_dir)
+    assert stalled_at < len(rows), (stalled_at, len(rows))
     assert all(r["policy/staleness_max"] <= 1 for r in rows)
     assert not any(r["time/publish_overlapped"] for r in rows)
     assert sum(r["rollouts/dropped_stale"] for r in rows) > 0

@@ -50,7 +50,7 @@ def measure_publishes(url: str, count: int, out_dir: Path) -> list[dict[str, flo
     from trainer.backends.local import LocalBackend
     from trainer.training.batch import TrainingExample
     from trainer.training.config import RunConfig, load_config
-    from trainer.training.losses import LossParams
+    from trainer.training.loss_params import LossParams
     from trainer.training.schedule import adam_params
 
     cfg = load_config(RunConfig, ROOT / "configs" / "tiny_cpu.yaml", [f"trainer.output_dir={out_dir}"])

@@ -25,7 +25,7 @@ from trainer.backends.local import LocalBackend
 from trainer.orchestration.commands import git_sha
 from trainer.training.batch import TrainingExample
 from trainer.training.config import RunConfig
-from trainer.training.losses import LossParams
+from trainer.training.loss_params import LossParams
 from trainer.training.schedule import adam_params
 
 COMMAND = "python -m benchmarks trainer"  # the command line the JSON records

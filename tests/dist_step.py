@@ -26,7 +26,7 @@ from trainer.backends.local import LocalBackend  # noqa: E402
 from trainer.training.backend import TrainingBackend  # noqa: E402
 from trainer.training.batch import IntakeOptions, convert_batch  # noqa: E402
 from trainer.training.config import RunConfig  # noqa: E402
-from trainer.training.losses import LossParams  # noqa: E402
+from trainer.training.loss_params import LossParams  # noqa: E402
 from trainer.training.schedule import adam_params  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "runapi_batch.json"

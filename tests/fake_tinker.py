@@ -24,7 +24,7 @@ from tinker.lib.public_interfaces import AwaitableConcurrentFuture
 from trainer.training.backend import AdamParams
 from trainer.training.batch import TrainingExample
 from trainer.training.config import RunConfig
-from trainer.training.losses import LossParams
+from trainer.training.loss_params import LossParams
 
 PREFIX = "tinker://fake"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]

@@ -53,7 +53,7 @@ from tests.helpers import FIXTURE, assert_learned, launch_cmd, read_metrics, run
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.config import RunConfig, load_config
 from trainer.training.gateway_client import GatewayClient, verification_failure
-from trainer.training.losses import LossParams
+from trainer.training.loss_params import LossParams
 from trainer.training.polling import wait_until
 from trainer.training.schedule import adam_params, build_adam_params
 

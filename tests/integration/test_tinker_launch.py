@@ -18,7 +18,7 @@ from tests.helpers import FIXTURE  # noqa: E402
 from trainer.backends.tinker import TinkerBackend  # noqa: E402
 from trainer.training.batch import IntakeOptions, convert_batch  # noqa: E402
 from trainer.training.config import RunConfig, load_config  # noqa: E402
-from trainer.training.losses import LossParams  # noqa: E402
+from trainer.training.loss_params import LossParams  # noqa: E402
 from trainer.training.schedule import adam_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ from trainer.training.config import RunConfig, load_config
 from trainer.backends.build import build_backend
 import inference.app, inference.__main__, trainer.orchestration.launcher, trainer.readout.report
 from trainer.training.batch import convert_batch, IntakeOptions
-from trainer.training.losses import LossParams
+from trainer.training.loss_params import LossParams
 from trainer.training.schedule import adam_params
 cfg = load_config(RunConfig, {str(ROOT / "configs" / "tiny_cpu.yaml")!r}, ["trainer.output_dir={tmp_path}"])
 backend = build_backend(cfg)

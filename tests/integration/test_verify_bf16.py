@@ -16,7 +16,7 @@ from tests.helpers import FIXTURE
 from trainer.orchestration.gateway_process import spawn_gateway
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.gateway_client import GatewayClient
-from trainer.training.losses import LossParams
+from trainer.training.loss_params import LossParams
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import FIXTURE, free_port, start_raw_vllm, stop_process
 from trainer.training.batch import IntakeOptions, convert_batch
-from trainer.training.losses import LossParams
+from trainer.training.loss_params import LossParams
 from trainer.training.polling import wait_until
 from trainer.training.schedule import adam_params
 

@@ -17,7 +17,7 @@ import torch
 from tests.helpers import FIXTURE, make_cfg, training_service
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.config import ConfigError, RunConfig
-from trainer.training.losses import LossParams
+from trainer.training.loss_params import LossParams
 from trainer.training.schedule import adam_params
 
 tinker = pytest.importorskip("tinker")

@@ -15,7 +15,8 @@ from tests.helpers import FIXTURE, lora_state, make_cfg, trained_token_logprobs
 from trainer.backends.local import LocalBackend, resolve_model_path
 from trainer.training.batch import IntakeOptions, TrainingExample, convert_batch
 from trainer.training.distill import distill_examples
-from trainer.training.losses import LossInputs, LossParams, compute_loss, compute_reduction_weights
+from trainer.training.loss_params import LossParams
+from trainer.training.losses import LossInputs, compute_loss, compute_reduction_weights
 from trainer.training.schedule import adam_params
 
 

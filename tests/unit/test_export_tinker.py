@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tests.helpers import FIXTURE, make_cfg, training_service
 from trainer.export import cli
 from trainer.training.batch import IntakeOptions, convert_batch
-from trainer.training.losses import LossParams
+from trainer.training.loss_params import LossParams
 from trainer.training.schedule import adam_params
 
 tinker = pytest.importorskip("tinker")

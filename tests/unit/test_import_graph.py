@@ -4,6 +4,8 @@ role, benchmarks on top of everything, no folder that imports a folder importing
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -306,3 +308,17 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path):
         "inference.policy.bad (policy) imports inference.app (top)",
         "inference.policy.bad (policy) imports inference.http.body_guard (http)",
     ]
+
+
+def test_the_launcher_and_the_gateway_start_without_torch():
+    """What starts first imports no ML library: the launcher (every `launch.sh`, before anything is spawned), the
+    engine, and the gateway, which spawns vLLM before it reads the model's config with transformers. torch alone
+    was 1.5 s of each launch's critical path on a 2-core box."""
+    heavy = ("torch", "transformers", "peft", "vllm", "numpy")
+    code = (
+        "import sys\n"
+        "import trainer.orchestration.launcher, trainer.orchestration.engine, inference.__main__\n"
+        f"print(','.join(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "", f"imported at start: {out.stdout.strip()}"

@@ -14,7 +14,8 @@ from tests.helpers import FIXTURE, lora_state, make_cfg
 from trainer.backends.local import LocalBackend
 from trainer.training.batch import IntakeOptions, TrainingExample, convert_batch
 from trainer.training.logprobs import compute_token_logprobs
-from trainer.training.losses import BatchScale, LossParams
+from trainer.training.loss_params import LossParams
+from trainer.training.losses import BatchScale
 from trainer.training.schedule import adam_params, build_adam_params
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from trainer.training.logprobs import compute_token_logprobs
+from trainer.training.loss_params import LossParams
 from trainer.training.losses import (
     LossInputs,
-    LossParams,
     compute_loss,
     compute_reduction_weights,
     finalize_metrics,

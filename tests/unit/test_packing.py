@@ -14,7 +14,7 @@ import torch
 from trainer.backends.local import LocalBackend
 from trainer.training.batch import TrainingExample
 from trainer.training.config import RunConfig
-from trainer.training.losses import LossParams
+from trainer.training.loss_params import LossParams
 from trainer.training.packing import (
     KEYS_PER_TOKEN,
     Tree,

@@ -13,7 +13,8 @@ import torch
 
 from tests.unit.test_losses import REDUCTIONS, make_inputs, reference_grad, reference_loss, run_loss
 from trainer.training.config import ConfigError, RunConfig, load_config
-from trainer.training.losses import LossParams, finalize_metrics
+from trainer.training.loss_params import LossParams
+from trainer.training.losses import finalize_metrics
 
 MASKED_PER_TOKEN = ["importance_sampling", "ppo", "cispo", "grpo"]
 

@@ -16,7 +16,7 @@ import torch
 from tests.helpers import make_cfg, serve_app
 from tests.unit.test_losses import reference_gspo
 from trainer.service.wire import UserError, decode_forward_backward, encode_forward_backward
-from trainer.training.losses import LossParams
+from trainer.training.loss_params import LossParams
 
 tinker = pytest.importorskip("tinker")
 types = tinker.types

@@ -21,7 +21,7 @@ from tests.helpers import loopback_socket, make_cfg, serve_app
 from tests.unit.test_losses import REDUCTIONS, make_inputs, run_loss
 from trainer.service.sampling import RECORD_OVERHEAD_BYTES, StabilityRecords, decode_sample, sequence_ids
 from trainer.service.wire import UserError, decode_forward_backward
-from trainer.training.losses import DEFAULT_KL_COEFF, LossParams
+from trainer.training.loss_params import DEFAULT_KL_COEFF, LossParams
 
 tinker = pytest.importorskip("tinker")
 types = tinker.types

@@ -14,10 +14,9 @@ import pytest
 
 from tests.helpers import make_cfg
 from trainer.training.batch import TrainingExample
-from trainer.training.config import ConfigError
+from trainer.training.config import TEACHER_API_KEY_ENV, ConfigError
 from trainer.training.retries import ComponentDown
 from trainer.training.teacher_http import (
-    API_KEY_ENV,
     TeacherServerError,
     UrlTeacher,
     completion_request,
@@ -283,7 +282,7 @@ def test_the_token_goes_in_the_header_and_never_into_a_print(monkeypatch):
     shown = json.dumps(redacted(cfg.model_dump(mode="json"))) + describe_teacher(cfg)
     assert "s3cret" not in shown and URL in shown and "with a token" in shown
     assert redacted_override("distill.teacher_api_key=s3cret") == "distill.teacher_api_key=<hidden>"
-    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    monkeypatch.setenv(TEACHER_API_KEY_ENV, "from-env")
     cfg = make_cfg("/tmp/unused", distill__teacher=URL, distill__teacher_model="big-teacher")
     assert "big-teacher, with a token" in describe_teacher(cfg)
 
@@ -362,7 +361,7 @@ def test_preflight_accepts_the_students_tokenizer_and_refuses_another(
     refusing.fail_next = [401]
     serve(refusing)
     (problem,) = preflight_url_teacher(cfg.distill, str(tiny_model_path))
-    assert "HTTP 401" in problem and API_KEY_ENV in problem
+    assert "HTTP 401" in problem and TEACHER_API_KEY_ENV in problem
 
 
 def test_the_trainer_scores_a_url_teacher_through_the_server_beside_its_own_backend(tmp_path):

@@ -24,7 +24,8 @@ from tests.helpers import FIXTURE, trained_token_logprobs  # noqa: E402
 from trainer.backends.tinker import TinkerBackend, wait  # noqa: E402
 from trainer.training.batch import IntakeOptions, convert_batch  # noqa: E402
 from trainer.training.config import ConfigError, RunConfig, load_config  # noqa: E402
-from trainer.training.losses import BatchScale, LossParams  # noqa: E402
+from trainer.training.loss_params import LossParams  # noqa: E402
+from trainer.training.losses import BatchScale  # noqa: E402
 from trainer.training.schedule import adam_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,8 @@ from trainer.backends.collectives import broadcast
 from trainer.backends.local import LocalBackend
 from trainer.training.backend import AdamParams, ForwardBackwardResult
 from trainer.training.batch import TrainingExample
-from trainer.training.losses import BatchScale, LossParams, Reduction
+from trainer.training.loss_params import LossParams, Reduction
+from trainer.training.losses import BatchScale
 
 
 class RankZeroBackend:

@@ -38,11 +38,10 @@ from trainer.training.checkpoints import failpoint
 from trainer.training.config import ConfigError, RunConfig
 from trainer.training.distill import teacher_kind
 from trainer.training.logprobs import top_logprobs
+from trainer.training.loss_params import LossParams, Reduction
 from trainer.training.losses import (
     BatchScale,
     LossInputs,
-    LossParams,
-    Reduction,
     compute_loss,
     compute_reduction_weights,
     finalize_metrics,

@@ -27,11 +27,10 @@ from trainer.training.batch import TrainingExample, examples_to_tensors
 from trainer.training.checkpoints import write_atomic
 from trainer.training.config import ConfigError, RunConfig
 from trainer.training.lora_spec import LoraMismatch, tinker_lora_flags
+from trainer.training.loss_params import LossParams, Reduction
 from trainer.training.losses import (
     BatchScale,
     LossInputs,
-    LossParams,
-    Reduction,
     compute_loss,
     compute_reduction_weights,
     finalize_metrics,

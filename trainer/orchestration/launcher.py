@@ -45,7 +45,6 @@ from trainer.training import wandb_group
 from trainer.training.checkpoints import read_latest
 from trainer.training.config import ConfigError, RunConfig, load_config, sampler_dtype
 from trainer.training.distill import resolve_teacher, teacher_kind
-from trainer.training.teacher_http import api_key
 
 ANY_HOST = frozenset({"0.0.0.0", "::"})
 RUNS = ROOT / "runs"  # a new run's folder goes here unless trainer.output_dir says where
@@ -252,7 +251,7 @@ def describe_teacher(cfg: RunConfig) -> str:
         return f"distill.teacher: {exc}"
     if cfg.distill.by_url:  # not asked here: a dry run contacts nothing
         model = cfg.distill.teacher_model or "its only base model"
-        token = "with a token" if api_key(cfg.distill.teacher_api_key) else "without a token"
+        token = "with a token" if cfg.distill.api_key() else "without a token"
         return f"distill.teacher: a vLLM server at {cfg.distill.teacher} ({model}, {token}), outside the plan below"
     if teacher_kind(cfg.distill.teacher) == "adapter":
         return f"distill.teacher: a LoRA adapter on the base, scored in the trainer: {cfg.distill.teacher}"

@@ -21,7 +21,6 @@ from trainer.orchestration.commands import ROOT, env_preflight_command
 from trainer.training.config import ConfigError, RunConfig
 from trainer.training.distill import resolve_teacher, teacher_kind
 from trainer.training.rollout_config import EnvSpec
-from trainer.training.teacher_http import preflight_url_teacher
 
 if TYPE_CHECKING:
     from trainer.orchestration.memory_plan import MemoryPlan
@@ -488,6 +487,8 @@ def preflight(cfg: RunConfig) -> str:
         for p in check_environment(cfg, model_path, spec)
     ]
     if cfg.distill.by_url:  # a server elsewhere: it answers, serves one base model, tokenizes as the student
+        from trainer.training.teacher_http import preflight_url_teacher  # imports torch: only when asked
+
         problems += preflight_url_teacher(cfg.distill, model_path)
     if teacher is not None:  # a model of its own, sharing the student's tokenizer
         folder = teacher if isinstance(teacher, str) else download_model(teacher)

@@ -36,13 +36,8 @@ from trainer.training.backend import AdamParams
 from trainer.training.batch import TrainingExample, examples_to_tensors
 from trainer.training.config import RunConfig
 from trainer.training.lora_spec import ATTN, MLP, UNEMBED
-from trainer.training.losses import (
-    LossInputs,
-    LossParams,
-    compute_loss,
-    compute_reduction_weights,
-    soft_cross_entropy,
-)
+from trainer.training.loss_params import LossParams
+from trainer.training.losses import LossInputs, compute_loss, compute_reduction_weights, soft_cross_entropy
 
 ADAPTER_KEY = "{adapter}"  # stands for the adapter's name in saved parameter names
 

@@ -17,7 +17,7 @@ import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
 from trainer.training.batch import TrainingExample
-from trainer.training.losses import DEFAULT_KL_COEFF, RATIO_LOSSES, LossParams
+from trainer.training.loss_params import DEFAULT_KL_COEFF, RATIO_LOSSES, LossParams
 
 # Tinker's loss names this service computes (trainer.training.losses), and the loss_fn_config keys each takes.
 LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {

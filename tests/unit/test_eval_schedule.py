@@ -280,3 +280,60 @@ def test_a_mixed_run_evaluates_every_environment_under_keys_of_its_own(tmp_path,
     ]  # quiet: said once, then left out
     assert (run_dir / "eval" / "toy" / "eval-step-5" / "metrics.json").is_file()
     assert calls == [("load", "eval-step-5"), ("unload", "eval-step-5")]
+
+
+class FakeEvaluation:
+    """An evaluation that finishes after `polls` calls of done(); counts how many run at once."""
+
+    running = 0
+    most = 0
+
+    def __init__(self, target: evaluation.Target, polls: int):
+        self.target, self.polls, self.stopped = target, polls, False
+        FakeEvaluation.running += 1
+        FakeEvaluation.most = max(FakeEvaluation.most, FakeEvaluation.running)
+
+    def done(self) -> bool:
+        self.polls -= 1
+        return self.polls <= 0
+
+    def result(self) -> dict[str, str]:
+        FakeEvaluation.running -= 1
+        return {"target": self.target.name}
+
+    def stop(self) -> None:
+        self.stopped = True
+        FakeEvaluation.running -= 1
+
+
+def test_evaluations_run_up_to_jobs_at_once_and_rows_keep_the_targets_order(monkeypatch):
+    from trainer.orchestration.eval_cli import evaluate_together
+
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    FakeEvaluation.running = FakeEvaluation.most = 0
+    targets = [evaluation.Target(f"t{i}") for i in range(5)]
+    polls = {"t0": 6, "t1": 1, "t2": 3, "t3": 1, "t4": 2}  # t0 finishes last: its row still comes first
+    rows = evaluate_together(lambda t: FakeEvaluation(t, polls[t.name]), targets, jobs=2)
+    assert [r["target"] for r in rows] == ["t0", "t1", "t2", "t3", "t4"]
+    assert FakeEvaluation.most == 2 and FakeEvaluation.running == 0
+    FakeEvaluation.most = 0
+    evaluate_together(lambda t: FakeEvaluation(t, 1), targets, jobs=1)
+    assert FakeEvaluation.most == 1
+
+
+def test_an_interrupted_evaluation_round_stops_what_is_still_running(monkeypatch):
+    from trainer.orchestration.eval_cli import evaluate_together
+
+    started: list[FakeEvaluation] = []
+
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    def start(target: evaluation.Target) -> FakeEvaluation:
+        started.append(FakeEvaluation(target, 100))
+        return started[-1]
+
+    monkeypatch.setattr(time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_together(start, [evaluation.Target("a"), evaluation.Target("b")], jobs=4)
+    assert [e.stopped for e in started] == [True, True]

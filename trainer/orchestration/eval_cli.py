@@ -1,5 +1,5 @@
-"""`python -m trainer eval`: evaluate the base model and any saved adapters on an environment's eval set, one after
-another on one gateway, and print how each differs from the first.
+"""`python -m trainer eval`: evaluate the base model and any saved adapters on an environment's eval set, together
+on one gateway (up to --jobs at once, one environment after another), and print how each differs from the first.
 
     python -m trainer eval RUN_DIR                           # the base model, then the run's newest adapter
     python -m trainer eval RUN_DIR --version 10 --version 30 # adapters/v10 and v30 of the run (add --base for it)
@@ -18,15 +18,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from trainer.orchestration.commands import resolve_env_module
-from trainer.orchestration.evaluation import BASE, Evaluation, Target, evaluate_now
+from trainer.orchestration.evaluation import BASE, Evaluation, Target
 from trainer.orchestration.preflight import check_model
 from trainer.training.checkpoints import VERSION_DIR, adapter_dir, write_atomic
 from trainer.training.config import ConfigError, RunConfig, load_config
@@ -35,6 +36,9 @@ from trainer.training.rollout_config import EnvSpec
 SHOWN = ("eval/pass@1", "eval/reward/mean", "eval/items")
 MAX_COLUMNS = 6
 NOT_COMPARED = ("eval/items", "eval/samples_per_item", "eval/failed_items")  # counts, not scores
+# Each evaluation is a process importing its environment (atroposlib, transformers: seconds of CPU) and then mostly
+# waits on the gateway, whose vLLM batches their requests together.
+MAX_JOBS = 4
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,6 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--gateway", help="URL of a running gateway serving the same base model")
     p.add_argument("--out", help="JSON file to write (default: <folder>/eval-<time>.json)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=min(MAX_JOBS, os.cpu_count() or 1),
+        help=f"evaluations at once, each a process of its own sampling the same gateway (default: the CPU count, "
+        f"at most {MAX_JOBS})",
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides (eval.k=4 ...)")
     return p.parse_args(argv)
 
@@ -110,9 +121,10 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, Path | None, Path | No
 
 @contextlib.contextmanager
 def gateway(
-    args: argparse.Namespace, cfg: RunConfig, config: Path, log_dir: Path
+    args: argparse.Namespace, cfg: RunConfig, config: Path, log_dir: Path, slots: int
 ) -> Iterator[tuple[str, dict[str, str]]]:
-    """The URL and auth header of the gateway to use: the one given, or one started for this command."""
+    """The URL and auth header of the gateway to use: the one given, or one started for this command with `slots`
+    LoRA slots for adapters loaded by name (those evaluated at once)."""
     token = cfg.inference.get("publish_token")
     auth = {"Authorization": f"Bearer {token}"} if token else {}
     if args.gateway:
@@ -121,8 +133,34 @@ def gateway(
     from trainer.orchestration.gateway_process import spawn_gateway
 
     print(f"starting a gateway and vLLM for the evaluation (logs: {log_dir})", flush=True)
-    with spawn_gateway(str(config), [*args.overrides, "inference.named_slots=1"], log_dir) as (url, _):
+    with spawn_gateway(str(config), [*args.overrides, f"inference.named_slots={slots}"], log_dir) as (url, _):
         yield url, auth
+
+
+def evaluate_together(
+    start: Callable[[Target], Evaluation], targets: list[Target], jobs: int
+) -> list[dict[str, Any]]:
+    """Each target's row, in the targets' order, with up to `jobs` evaluations running at once. The targets are
+    distinct names, so no two running evaluations load or unload the same adapter. An interruption stops the
+    evaluations still running."""
+    rows: dict[int, dict[str, Any]] = {}
+    running: dict[int, Evaluation] = {}
+    pending = list(enumerate(targets))
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                i, target = pending.pop(0)
+                running[i] = start(target)
+            for i, ev in list(running.items()):
+                if ev.done():
+                    rows[i] = ev.result()
+                    del running[i]
+            if running:
+                time.sleep(0.2)
+    finally:
+        for ev in running.values():
+            ev.stop()
+    return [rows[i] for i in range(len(targets))]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -202,17 +240,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     assert config is not None
+    if args.jobs < 1:
+        print(f"error: --jobs={args.jobs}: give 1 or more (evaluations at once)", file=sys.stderr)
+        return 2
+    slots = max(1, min(args.jobs, sum(1 for t in targets if t.adapter is not None)))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     folder = (run_dir or Path("runs").resolve()) / "eval" / f"compare-{stamp}"
     folder.mkdir(parents=True, exist_ok=True)
     by_env: dict[str, list[dict[str, Any]]] = {}
     try:
-        with gateway(args, cfg, config, folder / "logs") as (url, auth):
+        with gateway(args, cfg, config, folder / "logs", slots) as (url, auth):
             for spec in specs:
-                for target in targets:
+
+                def start(target: Target, spec: EnvSpec = spec) -> Evaluation:
                     print(f"evaluating {target.label} on {spec.name}", flush=True)
-                    ev = Evaluation(cfg, spec, url, folder, target, auth)
-                    by_env.setdefault(spec.name, []).append(evaluate_now(ev))
+                    return Evaluation(cfg, spec, url, folder, target, auth)
+
+                by_env[spec.name] = evaluate_together(start, targets, args.jobs)
     except (RuntimeError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -288,9 +288,8 @@ def is_url_teacher(teacher: str) -> bool:
     return teacher.startswith(("http://", "https://"))
 
 
-TEACHER_API_KEY_ENV = (
-    "DISTILL_TEACHER_API_KEY"  # a URL teacher's token when distill.teacher_api_key is not set
-)
+# A URL teacher's token when distill.teacher_api_key is not set.
+TEACHER_API_KEY_ENV = "DISTILL_TEACHER_API_KEY"
 
 
 class DistillConfig(Section):

@@ -34,6 +34,7 @@ import httpx
 
 from trainer.orchestration.commands import ROOT, git_sha
 from trainer.orchestration.gateway_process import spawn_gateway
+from trainer.orchestration.processes import die_with_parent
 from trainer.training.gateway_client import GatewayClient
 from trainer.training.polling import wait_until
 
@@ -113,6 +114,7 @@ def measure_cold_restart(gateway_yaml: Path, adapter: str, log: Path) -> float:
             stdout=logf,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent,  # gone with the benchmark, even if it is killed
         )
     try:
         auth = {"Authorization": f"Bearer {extra_env['VLLM_API_KEY']}"}

@@ -71,7 +71,15 @@ class RankZeroBackend:
 
     def close(self) -> None:
         broadcast(("stop", ()))
-        dist.destroy_process_group()
+        leave_together()
+
+
+def leave_together() -> None:
+    """After the stop: every rank passes a barrier before it tears its process group down. Rank 0's broadcast
+    returns once it has sent; torn down at once, its connections could close while a follower was still reading the
+    stop, and that follower exited non-zero at the run's clean end."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 FOLLOWER_CALLS = frozenset({"forward_backward", "optim_step", "load_state"})
@@ -82,7 +90,7 @@ def follow(local: LocalBackend) -> None:
     while True:
         name, args = broadcast()
         if name == "stop":
-            dist.destroy_process_group()
+            leave_together()
             return
         if name not in FOLLOWER_CALLS:
             raise RuntimeError(f"rank {dist.get_rank()}: rank 0 announced unknown call {name!r}")

@@ -1,5 +1,5 @@
 """The losses' names, reductions and parameters (Tinker's defaults among them): what a config, a wire message or a
-command line names. No torch here: the launcher and the gateway's clients read these without importing it."""
+command line names. No torch here: the launcher reads the config that names them without importing it."""
 
 from __future__ import annotations
 

@@ -100,16 +100,12 @@ ENGINE_LEASE_TTL_S = 10  # a killed run's lease lapses within this; renewals com
 ENGINE_VLLM_EXTRA_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
 
 
-@pytest.fixture(scope="session")
-def shared_engine(tmp_path_factory) -> Iterator[SharedEngine]:
-    """One `launch.sh engine` (the toy recipe's model, 2 versions kept) for every run that attaches instead of
-    starting its own gateway and vLLM (inference.engine_url). Runs attach one at a time: a test that starts one
-    waits for the lease with --wait or ends its run first."""
+def running_engine(folder: Path, overrides: list[str]) -> Iterator[SharedEngine]:
+    """`launch.sh engine` (the toy recipe's model, 2 versions kept) with `overrides`, until the generator closes."""
     from tests.helpers import ROOT, stop_process
     from trainer.orchestration.processes import die_with_parent
     from trainer.training.polling import wait_until
 
-    folder = tmp_path_factory.mktemp("shared-engine")
     log = folder / "engine.out"
     argv = [
         "bash",
@@ -118,7 +114,7 @@ def shared_engine(tmp_path_factory) -> Iterator[SharedEngine]:
         f"trainer.output_dir={folder}",
         "inference.keep_versions=2",
         f"inference.lease_ttl_s={ENGINE_LEASE_TTL_S}",
-        f"inference.vllm.extra_args={json.dumps(ENGINE_VLLM_EXTRA_ARGS)}",
+        *overrides,
     ]
     with log.open("wb") as out:
         # Its own session (a test's signals stay away from it), and gone with pytest even if pytest is killed.
@@ -142,3 +138,22 @@ def shared_engine(tmp_path_factory) -> Iterator[SharedEngine]:
         yield SharedEngine(url, proc, folder, log)
     finally:
         stop_process(proc, 60)
+
+
+@pytest.fixture(scope="session")
+def shared_engine(tmp_path_factory) -> Iterator[SharedEngine]:
+    """One `launch.sh engine` for every run that attaches instead of starting its own gateway and vLLM
+    (inference.engine_url). Runs attach one at a time: a test that starts one waits for the lease with --wait or
+    ends its run first."""
+    overrides = [f"inference.vllm.extra_args={json.dumps(ENGINE_VLLM_EXTRA_ARGS)}"]
+    yield from running_engine(tmp_path_factory.mktemp("shared-engine"), overrides)
+
+
+BF16_ENGINE = ["model.dtype=bfloat16", "inference.vllm.dtype=bfloat16"]
+
+
+@pytest.fixture(scope="session")
+def bf16_engine(tmp_path_factory) -> Iterator[SharedEngine]:
+    """A second engine, in the precision a CUDA box runs (bf16 vLLM), for the bf16 run of test_launch.py and the
+    bf16 publish verification of test_verify_bf16.py: one vLLM start for both, instead of four."""
+    yield from running_engine(tmp_path_factory.mktemp("bf16-engine"), BF16_ENGINE)

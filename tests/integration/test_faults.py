@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 
 from benchmarks.chaos import Fault, Injected, LiveRun, inject
 from tests.helpers import ROOT, assert_learned, assert_nothing_left, group_alive, launch_cmd, read_metrics
@@ -124,5 +126,20 @@ def test_a_toy_run_heals_from_every_fault_and_still_learns(tmp_path):
     assert [p.name for p in aside.iterdir()] == ["step-000005"]  # the orphan: folder without loop state
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{STEPS:06d}"  # the final checkpoint
     assert not list(run_dir.rglob(".*.tmp-*"))
+    # A run with a vLLM of its own: each process read its own file (the trainer the run config, with the tiny model
+    # as a folder; the gateway its section), and each wrote its log into the run folder.
+    assert Path(yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["path"]).is_dir()
+    assert yaml.safe_load((run_dir / "gateway.yaml").read_text())["sampler"] == "vllm"
+    assert (
+        sorted(p.name for p in (run_dir / "logs").iterdir())
+        == [
+            "env.log",
+            "gateway.log",
+            "run-api.log",
+            "trainer.log",
+            "vllm-base-lora",  # the all-zero adapter the base model is served through (inference/samplers/base_lora.py)
+            "vllm.log",
+        ]
+    )
     assert_nothing_left(run_dir)
     assert orphans and all(pid is not None and not group_alive(pid) for pid in orphans), orphans

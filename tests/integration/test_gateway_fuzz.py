@@ -16,7 +16,6 @@ import pytest
 from tests.conftest import SHARED_VLLM_KEY
 from tests.unit.test_adapters import CASES, variant
 from tests.unit.test_gateway_hostile import HOSTILE
-from trainer.training.gateway_client import GatewayClient
 from trainer.training.polling import wait_until
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
@@ -27,7 +26,7 @@ KNOWN = {"prompt": {"prompt_token_ids": [5, 6, 7, 8]}, "max_tokens": 4, "tempera
 
 @pytest.fixture(scope="module")
 def gateway(shared_gateway) -> str:
-    return str(shared_gateway[0])
+    return str(shared_gateway.url)
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +58,14 @@ def still_correct(url: str, before: tuple[list[int], list[float], str]) -> None:
     assert max(abs(a - b) for a, b in zip(logprobs, before[1])) < 1e-5
 
 
-def test_every_hostile_input_gets_a_4xx_and_serving_stays_correct(gateway):
+def test_every_hostile_input_gets_a_4xx_and_serving_stays_correct(gateway, shared_gateway):
     before = answer(gateway)
+    headers = {
+        "content-type": "application/json",
+        **shared_gateway.headers,
+    }  # garbage from the token's holder
     for route, raw, status, needle in HOSTILE:
-        r = httpx.post(
-            f"{gateway}{route}", content=raw, headers={"content-type": "application/json"}, timeout=60
-        )
+        r = httpx.post(f"{gateway}{route}", content=raw, headers=headers, timeout=60)
         assert r.status_code == status and needle in r.json()["error"]["message"], (route, raw[:80], r.text)
         still_correct(gateway, before)
     # What only a real sampler can refuse: a context overflow, greedy with n > 1, an unknown parameter.
@@ -79,15 +80,18 @@ def test_every_hostile_input_gets_a_4xx_and_serving_stays_correct(gateway):
         still_correct(gateway, before)
 
 
-def test_poisoned_and_broken_adapters_never_reach_vllm(gateway, good_adapter, tmp_path):
-    client = GatewayClient(gateway)
+def test_poisoned_and_broken_adapters_never_reach_vllm(gateway, shared_gateway, good_adapter, tmp_path):
+    client = shared_gateway.client()
     before = answer(gateway)
     version = client.status().current_version
     for case in sorted(CASES):
         change, status, needle = CASES[case]
         path = variant(good_adapter, tmp_path / re.sub(r"\W", "_", case), change)
         r = httpx.post(
-            f"{gateway}/policy/publish", json={"version": version + 1, "adapter_path": path}, timeout=60
+            f"{gateway}/policy/publish",
+            json={"version": version + 1, "adapter_path": path},
+            headers=shared_gateway.headers,
+            timeout=60,
         )
         assert r.status_code == status and needle in r.json()["error"]["message"], (case, r.text)
         still_correct(gateway, before)
@@ -95,7 +99,7 @@ def test_poisoned_and_broken_adapters_never_reach_vllm(gateway, good_adapter, tm
     client.publish(version + 1, good_adapter)
     _tokens, _, served = answer(gateway)
     assert served == str(version + 1)
-    status = httpx.get(f"{gateway}/policy", timeout=10).json()
+    status = httpx.get(f"{gateway}/policy", headers=shared_gateway.headers, timeout=10).json()
     auth = {"Authorization": f"Bearer {SHARED_VLLM_KEY}"}
     base = httpx.post(
         f"{status['backend_url']}/v1/completions",
@@ -119,14 +123,14 @@ UNLISTED_VLLM_ROUTES = [
 ]
 
 
-def test_no_route_of_vllm_answers_without_its_key(gateway, good_adapter):
+def test_no_route_of_vllm_answers_without_its_key(gateway, shared_gateway, good_adapter):
     """Every route vLLM lists in its OpenAPI, each method, sent to vLLM's own address without the key: 401, and the
     gateway serves on unharmed. The SageMaker routes that vLLM itself leaves open are sent as an attacker would:
     loading an adapter, unloading the serving one, sampling."""
-    client = GatewayClient(gateway)
+    client = shared_gateway.client()
     client.publish(client.status().current_version + 1, good_adapter)  # a LoRA to try to unload
     before = answer(gateway)
-    vllm = httpx.get(f"{gateway}/policy", timeout=10).json()["backend_url"]
+    vllm = httpx.get(f"{gateway}/policy", headers=shared_gateway.headers, timeout=10).json()["backend_url"]
     auth = {"Authorization": f"Bearer {SHARED_VLLM_KEY}"}
     spec = httpx.get(f"{vllm}/openapi.json", headers=auth, timeout=10)
     assert spec.status_code == 200, spec.text  # the key opens it: the refusals below are the guard's
@@ -168,8 +172,8 @@ def running_in_vllm(vllm_url: str) -> float:
     return sum(float(v) for v in found)
 
 
-def test_an_abandoned_request_is_aborted_in_vllm(gateway):
-    vllm = httpx.get(f"{gateway}/policy", timeout=10).json()["backend_url"]
+def test_an_abandoned_request_is_aborted_in_vllm(gateway, shared_gateway):
+    vllm = httpx.get(f"{gateway}/policy", headers=shared_gateway.headers, timeout=10).json()["backend_url"]
     heavy = json.dumps(
         {"prompt": {"prompt_token_ids": [9, 10, 11]}, "n": 256, "max_tokens": 400, "ignore_eos": True}
     )

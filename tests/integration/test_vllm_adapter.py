@@ -12,7 +12,6 @@ import pytest
 from tests.conftest import SHARED_VLLM_KEY
 from tests.helpers import FIXTURE
 from trainer.training.batch import IntakeOptions, convert_batch
-from trainer.training.gateway_client import GatewayClient
 from trainer.training.loss_params import LossParams
 from trainer.training.schedule import adam_params
 
@@ -37,7 +36,7 @@ def echo_logprobs(url: str, model: str, tokens: list[int]) -> list[float]:
 
 
 def test_trained_adapter_hot_loads_and_matches_trainer_logprobs(tmp_path, shared_gateway):
-    """On the shared gateway's vLLM, asked directly (the gateway's own key), under a name the gateway never uses;
+    """On the shared engine's vLLM, asked directly (its gateway's own key), under a name the gateway never uses;
     unloaded at the end, so the gateway's LoRA slots are as it left them."""
     from tests.helpers import make_cfg
     from trainer.backends.local import LocalBackend
@@ -50,7 +49,7 @@ def test_trained_adapter_hot_loads_and_matches_trainer_logprobs(tmp_path, shared
     adapter = backend.save_for_sampler(1)
     trained = backend.forward_backward(examples, LossParams("importance_sampling")).trainer_logprobs
 
-    client = GatewayClient(shared_gateway[0])
+    client = shared_gateway.client()
     url = client.status().backend_url
     client.close()
     assert url, "the shared gateway names no vLLM"

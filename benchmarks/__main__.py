@@ -7,6 +7,7 @@ python -m benchmarks onpolicy [...]                                 # toy loop b
 python -m benchmarks soak --minutes 30 --fault-every 60             # the toy loop under faults
 python -m benchmarks distill [--teacher RUN_DIR]                    # distillation against RL from scratch (toy)
 python -m benchmarks engine [--pairs 3]                             # time to first step: own vLLM vs attached
+python -m benchmarks client_pool [--concurrency 64 128]             # the gateway's client to vLLM: CPU a request
 
 `python -m benchmarks NAME --help` gives each one's options; `python -m benchmarks.MODULE` runs the same code.
 """
@@ -24,6 +25,10 @@ COMMANDS = {  # name -> (module whose main(argv) it runs, one line for --help)
     "onpolicy": ("benchmarks.onpolicy_bench", "toy loop at several staleness bounds, gate on and off"),
     "soak": ("benchmarks.soak", "toy loop under a fault every M seconds for N minutes"),
     "engine": ("benchmarks.engine_bench", "time to a run's first step: its own vLLM against a shared engine"),
+    "client_pool": (
+        "benchmarks.client_pool_bench",
+        "the gateway's HTTP client to vLLM: httpx against httpx2",
+    ),
     "distill": (
         "benchmarks.distill_bench",
         "toy: a student distilled from a teacher against RL from scratch",

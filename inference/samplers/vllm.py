@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 
 from inference.config import GatewayConfig
 from inference.errors import BackendError
@@ -139,11 +139,14 @@ class VLLMBackend:
         # its group is gone, so a night of kills and restarts leaves no socket files behind.
         self._rpc_dir: Path | None = None
         self._ready = asyncio.Event()
-        self._client = httpx.AsyncClient(
+        # httpx2, not httpx: httpcore 1.0's pool scans every connection, and every idle one against all of them, on
+        # each request it assigns; at a run's concurrency that was most of the gateway's CPU (py-spy, benchmarks/
+        # RESULTS.md "The gateway's client to vLLM").
+        self._client = httpx2.AsyncClient(
             headers={"Authorization": f"Bearer {self.api_key}"},
             base_url=self.url,
             timeout=cfg.request_timeout_s,
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            limits=httpx2.Limits(max_connections=1024, max_keepalive_connections=256),
         )
         self._supervisor: asyncio.Task[None] | None = None
         self._health_watch: asyncio.Task[None] | None = None
@@ -203,7 +206,7 @@ class VLLMBackend:
                     self.cfg.vllm.startup_timeout_s,
                     last_line(self.log_path),
                 )
-            with contextlib.suppress(httpx.HTTPError):
+            with contextlib.suppress(httpx2.HTTPError):
                 return (await self._client.post("/v1/completions", json=probe, timeout=30)).status_code == 200
             return False
 
@@ -228,7 +231,7 @@ class VLLMBackend:
         if taken:
             self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
-            self._client.base_url = httpx.URL(self.url)
+            self._client.base_url = httpx2.URL(self.url)
             log.warning("vLLM's port was taken before it bound it; starting again on %d", self.port)
         return taken
 
@@ -322,7 +325,7 @@ class VLLMBackend:
                 misses = 0
 
     async def _answers_health(self, timeout_s: float) -> bool:
-        with contextlib.suppress(httpx.HTTPError):
+        with contextlib.suppress(httpx2.HTTPError):
             return (await self._client.get("/health", timeout=timeout_s)).status_code == 200
         return False
 
@@ -381,7 +384,7 @@ class VLLMBackend:
             incarnation = await self._wait_ready(deadline)
             try:
                 r = await self._client.post(path, json=body, timeout=max(0.1, deadline - loop.time()))
-            except httpx.TransportError as exc:
+            except httpx2.TransportError as exc:
                 failure = BackendError(503, f"vLLM unreachable: {exc!r}")
             else:
                 if r.status_code < 500:
@@ -459,14 +462,14 @@ class VLLMBackend:
         )
 
     @staticmethod
-    def _detail(r: httpx.Response) -> str:
+    def _detail(r: httpx2.Response) -> str:
         try:
             return str(r.json().get("error", {}).get("message") or r.text)
         except (ValueError, AttributeError):
             return r.text
 
     @classmethod
-    def _http_error(cls, r: httpx.Response) -> BackendError:
+    def _http_error(cls, r: httpx2.Response) -> BackendError:
         detail = cls._detail(r)
         if r.status_code == 404:
             return BackendError(
@@ -483,7 +486,7 @@ class VLLMBackend:
         return BackendError(502, f"vLLM failed ({r.status_code}): {detail}")
 
     @classmethod
-    def _check(cls, r: httpx.Response) -> dict[str, Any]:
+    def _check(cls, r: httpx2.Response) -> dict[str, Any]:
         if r.status_code != 200:
             raise cls._http_error(r)
         try:
@@ -536,7 +539,7 @@ class VLLMBackend:
         body = {"lora_name": BASE_LORA_NAME, "lora_path": self._base_lora}
         try:
             r = await self._client.post("/v1/load_lora_adapter", json=body)
-        except httpx.HTTPError as exc:
+        except httpx2.HTTPError as exc:
             raise BackendError(503, f"loading the base model's zero adapter failed: {exc!r}") from exc
         if r.status_code != 200:
             raise BackendError(

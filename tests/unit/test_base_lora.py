@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -60,24 +60,24 @@ class RecordingVLLM:
         self.refuse_load = refuse_load
         self.bodies: list[tuple[str, dict]] = []
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
+    def __call__(self, request: httpx2.Request) -> httpx2.Response:
         body = json.loads(request.content or b"{}")
         self.bodies.append((request.url.path, body))
         if request.url.path == "/v1/load_lora_adapter":
             if self.refuse_load:
-                return httpx.Response(400, json={"error": {"message": "no such module"}})
-            return httpx.Response(200, text="loaded")
+                return httpx2.Response(400, json={"error": {"message": "no such module"}})
+            return httpx2.Response(200, text="loaded")
         choice = {
             "index": 0,
             "finish_reason": "length",
             "logprobs": {"tokens": ["token_id:4"], "token_logprobs": [-0.5]},
         }
-        return httpx.Response(200, json={"choices": [choice]})
+        return httpx2.Response(200, json={"choices": [choice]})
 
 
 def backend_on(vllm: RecordingVLLM, tmp_path: Path, model: str) -> VLLMBackend:
     backend = VLLMBackend(GatewayConfig(model=model), model, tmp_path / "logs" / "vllm.log", restore=list)
-    backend._client = httpx.AsyncClient(transport=httpx.MockTransport(vllm), base_url=backend.url)
+    backend._client = httpx2.AsyncClient(transport=httpx2.MockTransport(vllm), base_url=backend.url)
     return backend
 
 

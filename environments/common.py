@@ -121,11 +121,13 @@ class ResumableData(BaseEnv):
         position = {**(data or {}), **{key: getattr(self, key) for key in self.data_position}}
         folder = self._position_folder()
         folder.mkdir(parents=True, exist_ok=True)
+        sweep_cut_writes(folder)
         tmp = folder / f".step-{step}.json.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(position))
         tmp.replace(folder / f"step-{step}.json")
 
     def load_checkpoint(self) -> None:
+        sweep_cut_writes(self._position_folder())
         saved = []
         for path in self._position_folder().glob("step-*.json"):
             match = re.fullmatch(r"step-(\d+)\.json", path.name)
@@ -137,6 +139,15 @@ class ResumableData(BaseEnv):
         for key, value in json.loads(path.read_text()).items():
             setattr(self, key, value)
         logging.getLogger(__name__).info("resumed the data position of step %d: %s", step, path.read_text())
+
+
+def sweep_cut_writes(folder: Path) -> None:
+    """Remove the temporary files of position writes another process of this environment was killed in (only one
+    runs at a time: the launcher restarts it once the last is gone); this process's own are its to finish."""
+    mine = f".tmp-{os.getpid()}"
+    for path in folder.glob(".step-*.json.tmp-*") if folder.is_dir() else []:
+        if not path.name.endswith(mine):
+            path.unlink(missing_ok=True)
 
 
 Preflight = Callable[[dict[str, str]], list[str]]

@@ -191,7 +191,8 @@ def test_resume_takes_overrides_after_the_run_folder(tmp_path, capsys):
 
 
 def test_environments_resume_their_data_position(tmp_path):
-    """Saved at each checkpoint step; a (re)started env takes the newest at or before its registration step."""
+    """Saved at each checkpoint step; a (re)started env takes the newest at or before its registration step, and
+    what a killed process's write left behind is swept."""
     from types import SimpleNamespace
 
     from environments.common import ResumableData
@@ -208,10 +209,17 @@ def test_environments_resume_their_data_position(tmp_path):
         return ns
 
     ResumableData.save_checkpoint(env(0, 41), 10)  # type: ignore[arg-type]
+    # An earlier process of this environment was killed while it wrote step 15: its half-written file is not a
+    # position, and the next process's start and writes remove it.
+    cut = tmp_path / "env_checkpoints" / "toy-0" / ".step-15.json.tmp-999999"
+    cut.write_text('{"next_in')
     ResumableData.save_checkpoint(env(0, 90), 20)  # type: ignore[arg-type]
+    assert not cut.exists()
+    cut.write_text('{"next_in')
     restarted = env(17, 0)
     ResumableData.load_checkpoint(restarted)  # type: ignore[arg-type]
-    assert restarted.next_index == 41
+    assert restarted.next_index == 41 and not cut.exists()
+    assert sorted(p.name for p in cut.parent.iterdir()) == ["step-10.json", "step-20.json"]
     fresh = env(5, 0)
     ResumableData.load_checkpoint(fresh)  # type: ignore[arg-type]
     assert fresh.next_index == 0

@@ -20,12 +20,12 @@ import sys
 import time
 from typing import Any
 
-from inference.samplers.vllm import CLIENT_LIMITS, free_port
 from trainer.orchestration.commands import ROOT, git_sha
 from trainer.orchestration.processes import die_with_parent
 from trainer.training.polling import wait_until
 
 ANSWER = json.dumps({"token_ids": [list(range(16))], "logprobs": [[-0.5] * 16]}).encode()
+LIMITS = {"max_connections": 1024, "max_keepalive_connections": 256}  # inference/samplers/vllm.py's
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -41,7 +41,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 async def measure(lib: str, url: str, concurrency: int, rounds: int) -> dict[str, Any]:
     http = __import__(lib)
-    async with http.AsyncClient(base_url=url, limits=http.Limits(**CLIENT_LIMITS)) as client:
+    async with http.AsyncClient(base_url=url, limits=http.Limits(**LIMITS)) as client:
 
         async def one(i: int) -> None:
             await asyncio.sleep(0.001 * (i % 7))  # arrivals spread over a few ms, as environments send them
@@ -63,6 +63,12 @@ async def measure(lib: str, url: str, concurrency: int, rounds: int) -> dict[str
         "cpu_ms_per_request": 1000 * cpu / n,
         "wall_s": wall,
     }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,12 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         server.terminate()
         server.wait(timeout=30)
     command = "python -m benchmarks client_pool " + " ".join(argv if argv is not None else sys.argv[1:])
-    out = {
-        "command": command.strip(),
-        "git": git_sha(),
-        "machine": platform.machine(),
-        "limits": CLIENT_LIMITS,
-    }
+    out = {"command": command.strip(), "git": git_sha(), "machine": platform.machine(), "limits": LIMITS}
     print(
         json.dumps(
             {

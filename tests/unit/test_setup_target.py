@@ -355,3 +355,45 @@ def test_a_full_disk_is_named_before_pip_starts(box: Box, tmp_path: Path):
     fake_df(box.bin, 2 * 1024 * 1024)
     proc = box.setup(plan=False, LAUNCH_SKIP_DISK_CHECK="1")
     assert "not enough disk" not in proc.stderr
+
+
+# --- bytecode: a new venv is compiled on every core, an update by pip -----------------------------------------------
+
+
+def recording_python(path: Path, log: Path) -> Path:
+    """An interpreter that appends each command line to `log` and does nothing else: reports 3.11 to the version
+    probes, a folder for sysconfig's purelib, and (`-m venv [--clear] DIR`) makes DIR's python another such one."""
+    return write_script(
+        path,
+        f"""echo "$*" >> "{log}"
+case "$*" in
+  *sysconfig*) echo /fake/site-packages ;;
+  -c*) echo 3.11 ;;
+  "-m venv"*) for dir; do :; done; mkdir -p "$dir/bin"; cp "$0" "$dir/bin/python" ;;
+esac""",
+    )
+
+
+def test_a_new_venv_is_installed_without_bytecode_then_compiled_on_every_core_and_an_update_lets_pip_compile(
+    box: Box, tmp_path: Path
+):
+    log = tmp_path / "calls.log"
+    recording_python(box.bin / "python3.11", log)
+    box.venv.rmdir()
+    proc = box.setup(plan=False, LAUNCH_SKIP_DISK_CHECK="1")
+    assert proc.returncode == 0, proc.stderr
+    calls = log.read_text().splitlines()
+    installs = [c for c in calls if c.startswith("-m pip install -q") and "--upgrade pip" not in c]
+    assert len(installs) == 2 and all("--no-compile" in c for c in installs), calls
+    compiled = [i for i, c in enumerate(calls) if c.startswith("-m compileall")]
+    assert len(compiled) == 1 and calls[compiled[0]] == "-m compileall -q -j 0 /fake/site-packages", calls
+    assert compiled[0] > max(calls.index(c) for c in installs)  # after everything is installed
+
+    box.stamp().rename(box.venv / ".installed-0123456789abcdef")  # pyproject changed since: an update
+    log.write_text("")
+    proc = box.setup(plan=False, LAUNCH_SKIP_DISK_CHECK="1")
+    assert proc.returncode == 0, proc.stderr
+    calls = log.read_text().splitlines()
+    installs = [c for c in calls if c.startswith("-m pip install -q") and "--upgrade pip" not in c]
+    assert len(installs) == 2 and not any("--no-compile" in c for c in installs), calls
+    assert not any(c.startswith("-m compileall") for c in calls), calls

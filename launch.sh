@@ -331,7 +331,7 @@ verifiers_v1_file() {
 # VENV REQUIREMENTS: build (or update) a verifiers venv, stamped by the requirements file's hash. Two launches (or
 # the test command and CI's early build) asking at once: the second waits on the venv's lock, then finds the stamp.
 setup_verifiers_venv() {
-  local venv="$1" requirements="$2" stamp lock="" py
+  local venv="$1" requirements="$2" stamp lock=""
   stamp="$venv/.installed-$(sha256sum <"$requirements" | cut -c1-16)"
   [ -f "$stamp" ] && return 0
   if command -v flock >/dev/null; then
@@ -345,12 +345,7 @@ setup_verifiers_venv() {
   fi
   need_disk "$venv" "$SETUP_DISK_GB_VERIFIERS" "$venv"
   echo "[launch.sh] setting up $venv for verifiers environments ($(grep -v '^#' "$requirements" | xargs))" >&2
-  # Made with the interpreter a new $VENV would get, not $VENV's own: this set-up needs nothing of $VENV, so it can run
-  # while $VENV is set up (CI starts both at once: pip there keeps one core busy, and leaves the other to this one).
-  if [ ! -x "$venv/bin/python" ]; then
-    py="$(choose_python)" || exit 1
-    "$py" -m venv "$venv"
-  fi
+  [ -x "$venv/bin/python" ] || "$VENV/bin/python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q -r "$requirements"
   rm -f "$venv"/.installed-*
@@ -372,9 +367,8 @@ setup_named_verifiers() {
 }
 
 if [ "${1:-}" = "--setup" ]; then setup_env; exit 0; fi
-# Only the verifiers venv: $VENV is built by --setup or by the first launch.
-if [ "${1:-}" = "--setup-verifiers" ]; then setup_verifiers; exit 0; fi
-if [ "${1:-}" = "--setup-verifiers-v1" ]; then setup_verifiers_v1; exit 0; fi
+if [ "${1:-}" = "--setup-verifiers" ]; then setup_env; setup_verifiers; exit 0; fi
+if [ "${1:-}" = "--setup-verifiers-v1" ]; then setup_env; setup_verifiers_v1; exit 0; fi
 case "${1:-}" in ""|-h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; [ -n "${1:-}" ]; exit $? ;; esac
 setup_env
 if [ "$1" != "service" ] && [ "$1" != "engine" ]; then setup_named_verifiers "$@"; fi

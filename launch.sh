@@ -241,7 +241,7 @@ setup_install() {
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # A new venv: --no-compile, then compile_venv (pip compiles what it installs on one core, compileall on all of them).
-  # An update installs little, which pip compiles; compileall would read every module's bytecode again (about 19 s).
+  # An update installs little, which pip compiles; compileall would read every module's bytecode again (6 s here).
   local no_compile=""
   [ "$ACTION" = update ] || no_compile=--no-compile
   if [ "$TARGET" = cpu ]; then

@@ -47,8 +47,8 @@ unset PYTHONDONTWRITEBYTECODE
 # No arguments: the whole suite, by tier. The unit tier (in-process, no server) runs on three workers: its tests wait
 # for about a third of their time (the timeouts, retries and deadlines they check), so on the 2-core box two workers
 # left the cores idle that long (100 s of CPU in 70 s of wall time) and a third fills the waits (median of three runs
-# 65.4 -> 56.8 s; a fourth adds its collection, about 10 s of CPU, and was slower: 67.5 s).
-# while what only the servers' tier needs (Chromium, the verifiers venvs: the package index and the disk) is set up
+# 65.4 -> 56.8 s; a fourth adds its collection, about 10 s of CPU, and was slower: 67.5 s). Meanwhile what only the
+# servers' tier needs (Chromium, the verifiers venvs: the package index and the disk) is set up
 # beside it; then the tests that start real servers run one at a time, alone on the box, as their timings assume.
 # On a machine whose torch sees a CUDA GPU the GPU tier (tests/gpu, marker gpu, deselected by pyproject's addopts)
 # runs too; elsewhere it is skipped, saying so.

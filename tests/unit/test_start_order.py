@@ -1,6 +1,7 @@
 """The launcher's start order: run-api and the gateway at once; the trainer loads its model and the environments
 start while vLLM boots, unless the trainer and vLLM may share a GPU: then the environments once the gateway is
-healthy, and the trainer last."""
+healthy, and the trainer last. Where run-api inherits its listening socket, the trainer and the environments start
+with it (their calls wait in the backlog); else once it answers."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from trainer.training.config import RunConfig, load_config
 
 
 class FakeComponent:
-    def __init__(self, name: str, events: list[str], exit_code: int | None = None):
-        self.name, self.events, self.code = name, events, exit_code
+    def __init__(
+        self, name: str, events: list[str], exit_code: int | None = None, pass_fds: tuple[int, ...] = ()
+    ):
+        self.name, self.events, self.code, self.pass_fds = name, events, exit_code, pass_fds
         self.log = Path(f"{name}.log")
 
     def start(self) -> None:
@@ -29,7 +32,11 @@ class FakeComponent:
 
 
 def started(
-    monkeypatch, early: bool, trainer_exit: int | None = None, env_exit: int | None = None
+    monkeypatch,
+    early: bool,
+    trainer_exit: int | None = None,
+    env_exit: int | None = None,
+    api_socket: bool = False,
 ) -> list[str]:
     events: list[str] = []
     monkeypatch.setattr(launcher, "trainer_starts_with_vllm", lambda cfg: early)
@@ -47,7 +54,9 @@ def started(
     )
     names = ("run-api", "gateway", "env", "trainer")
     exits = {"trainer": trainer_exit, "env": env_exit}
-    comps = [FakeComponent(n, events, exits.get(n)) for n in names]
+    comps = [
+        FakeComponent(n, events, exits.get(n), (3,) if api_socket and n == "run-api" else ()) for n in names
+    ]
     launcher.start_all(comps, cfg, Path("run"))  # type: ignore[arg-type]
     return events
 
@@ -60,6 +69,28 @@ def test_the_trainer_loads_while_vllm_boots_where_they_share_no_gpu(monkeypatch)
         "start trainer",
         "start env",
         "gateway healthy",
+    ]
+
+
+def test_with_run_apis_socket_inherited_the_trainer_and_environments_start_beside_it(monkeypatch):
+    assert started(monkeypatch, early=True, api_socket=True) == [
+        "start run-api",
+        "start gateway",
+        "start trainer",
+        "start env",
+        "run-api answering /status",
+        "gateway healthy",
+    ]
+    with pytest.raises(launcher.LaunchError, match="env exited with code 1 before the run-api was answering"):
+        started(monkeypatch, early=True, env_exit=1, api_socket=True)
+    # Sharing a GPU with vLLM, the trainer still waits for the gateway's health.
+    assert started(monkeypatch, early=False, api_socket=True) == [
+        "start run-api",
+        "start gateway",
+        "run-api answering /status",
+        "gateway healthy",
+        "start env",
+        "start trainer",
     ]
 
 
@@ -132,3 +163,40 @@ def test_the_trainer_is_stopped_first_and_given_its_time(monkeypatch):
     stuck = Stoppable("trainer", events, exits_on_term=False)
     processes.stop_first(stuck, 0.3)  # type: ignore[arg-type]
     assert stuck.exited() is None, "past its time the others are stopped anyway (stop_all kills what is left)"
+
+
+def restarted(monkeypatch, api_socket: bool) -> list[str]:
+    """What Supervisor.restart does when the trainer died: run-api, the environment and the trainer again."""
+    events: list[str] = []
+    monkeypatch.setattr(supervisor, "stop_all", lambda group: events.append("stop the group"))
+    monkeypatch.setattr(supervisor, "drain_backlog", lambda fd: 0)
+    monkeypatch.setattr(
+        supervisor,
+        "wait_http",
+        lambda url, comp, timeout, what, watched=(): events.append(f"{comp.name} {what}"),
+    )
+    cfg = load_config(
+        RunConfig, None, ["launch.run_api_url=http://127.0.0.1:1", "launch.gateway_url=http://127.0.0.1:2"]
+    )
+    names = ("run-api", "gateway", "env", "trainer")
+    comps = [FakeComponent(n, events, None, (3,) if api_socket and n == "run-api" else ()) for n in names]
+    sup = supervisor.Supervisor(comps, cfg, Path("run"))  # type: ignore[arg-type]
+    sup.restart([comps[0], comps[2], comps[3]])  # type: ignore[list-item]
+    return events
+
+
+def test_a_restart_starts_the_trainer_and_environments_beside_a_run_api_that_inherits_its_socket(monkeypatch):
+    assert restarted(monkeypatch, api_socket=True) == [
+        "stop the group",
+        "start run-api",
+        "start env",
+        "start trainer",
+        "run-api answering /status",
+    ]
+    assert restarted(monkeypatch, api_socket=False) == [
+        "stop the group",
+        "start run-api",
+        "run-api answering /status",
+        "start env",
+        "start trainer",
+    ]

@@ -347,10 +347,11 @@ ENV_EXIT_GRACE_S = 1.0  # an environment with a bad flag exits at once: said bef
 
 
 def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> None:
-    """run-api and the gateway at once (neither needs the other); once run-api answers, the trainer when it may load
-    its model while vLLM boots (trainer_starts_with_vllm), and then the environments too: their imports and
-    Atropos's own start-up pause (5 s) overlap vLLM's start, and their first requests wait in the gateway until vLLM
-    serves. Where the trainer must wait (a GPU vLLM shares), everything else waits for the gateway's health (vLLM
+    """run-api and the gateway at once (neither needs the other); the trainer when it may load its model while vLLM
+    boots (trainer_starts_with_vllm), and then the environments too: their imports and Atropos's own start-up pause
+    (5 s) overlap vLLM's start, and their first requests wait in the gateway until vLLM serves. Where run-api
+    inherits its listening socket (outside SLURM), those start with it: their first calls wait in the socket's
+    backlog until run-api serves, and its start overlaps their imports; else once it answers. Where the trainer must wait (a GPU vLLM shares), everything else waits for the gateway's health (vLLM
     answered a real completion): environments, then the trainer."""
     assert cfg.launch.run_api_url is not None and cfg.launch.gateway_url is not None
     api, trainer = components[0], components[-1]
@@ -359,12 +360,16 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
     api.start()
     if gateway is not None:
         gateway.start()
-    wait_http(f"{cfg.launch.run_api_url}/status", api, cfg.launch.health_timeout_s, "answering /status")
     early = trainer_starts_with_vllm(cfg) or gateway is None
-    if early:
-        trainer.start()
-        for env in envs:
-            env.start()
+    soon, backlog = [trainer, *envs] if early else [], bool(api.pass_fds)
+    for comp in soon if backlog else []:
+        comp.start()
+    what = "answering /status"
+    wait_http(
+        f"{cfg.launch.run_api_url}/status", api, cfg.launch.health_timeout_s, what, soon if backlog else []
+    )
+    for comp in [] if backlog else soon:
+        comp.start()
     envs_started = time.monotonic()
     if gateway is not None:
         print(

@@ -204,9 +204,12 @@ class Supervisor:
         self.restarted_at[comp.name] = [*recent, now]
 
     def restart(self, group: list[Component]) -> None:
-        """Stop what is still running in `group`, then start it again in start order, each once healthy."""
+        """Stop what is still running in `group`, then start it again in start order, each once the one before is
+        healthy; a run-api that inherits its listening socket is waited for after the rest has started, as at the
+        launch (start_all): what calls it meanwhile waits in the socket's backlog."""
         stop_all(group)
         timeout = self.cfg.launch.health_timeout_s
+        api_url = f"{self.cfg.launch.run_api_url}/status"
         for comp in self.components:
             if comp not in group:
                 continue
@@ -215,12 +218,14 @@ class Supervisor:
                     if closed := drain_backlog(fd):
                         print(f"launch.sh: dropped {closed} connections made to the dead run-api", flush=True)
             comp.start()
-            if comp is self.api:
-                wait_http(f"{self.cfg.launch.run_api_url}/status", comp, timeout, "answering /status")
+            if comp is self.api and not comp.pass_fds:
+                wait_http(api_url, comp, timeout, "answering /status")
             elif comp is self.gateway:
                 wait_http(f"{self.cfg.launch.gateway_url}/health", comp, timeout, "healthy")
                 self.vllm_restarts = 0  # a new gateway counts its vLLM restarts from zero
                 self.republish_newest()
+        if self.api in group and self.api.pass_fds:
+            wait_http(api_url, self.api, timeout, "answering /status")  # the others' exits: healed by poll
 
     def republish_newest(self) -> None:
         """A restarted gateway serves the base model until told otherwise: hand it the newest adapter at once, so

@@ -14,6 +14,8 @@ from trainer.backends.collectives import shard_indices
 from trainer.training.config import ConfigError, RunConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
+# No server: runs beside the servers' tests (tests/run.sh).
+pytestmark = pytest.mark.beside_servers
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 
 from tests.unit.gate_property import drive
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.beside_servers]  # no server (tests/run.sh)
 
 
 async def test_many_seeds_of_random_interleavings_keep_every_promise():

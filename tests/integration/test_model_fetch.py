@@ -23,6 +23,8 @@ import yaml
 from tests.unit.test_memory_plan import LLAMA_8B  # Llama-3.1-8B's config.json, the keys the plan reads
 
 ROOT = Path(__file__).resolve().parents[2]
+# No server but the stand-in hub in the test's own process: runs beside the servers' tests (tests/run.sh).
+pytestmark = pytest.mark.beside_servers
 SHA = "0123456789abcdef0123456789abcdef01234567"
 SHARDS = {"model-00001-of-00002.safetensors": b"A" * 3000, "model-00002-of-00002.safetensors": b"B" * 2000}
 WEIGHT_MAP = {

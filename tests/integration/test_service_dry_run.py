@@ -6,7 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
+
+# A dry run starts nothing: runs beside the servers' tests (tests/run.sh).
+pytestmark = pytest.mark.beside_servers
 
 
 def test_launch_service_dry_run_prints_the_gateway_config_and_both_commands():

@@ -13,6 +13,8 @@ import pytest
 from inference.config import GatewayConfig
 from inference.samplers.vllm_command import VLLM_GUARD_MIDDLEWARE, build_vllm_command
 
+# Builds vLLM's app in a child and serves nothing: runs beside the servers' tests (tests/run.sh).
+pytestmark = pytest.mark.beside_servers
 KEY = "right-key-0123456789"
 
 

@@ -49,10 +49,11 @@ unset PYTHONDONTWRITEBYTECODE
 # left the cores idle that long (100 s of CPU in 70 s of wall time) and a third fills the waits (median of three runs
 # 65.4 -> 56.8 s; a fourth adds its collection, about 10 s of CPU, and was slower: 67.5 s). Meanwhile what only the
 # servers' tier needs (Chromium, the verifiers venvs: the package index and the disk) is set up
-# beside it. Then the integration tier in two pytest runs side by side: its tests that start real servers one at a time,
-# as their timings assume, and the few marked beside_servers (they start none) on the CPU that the servers' tests leave
-# idle while they wait (about 0.9 of the 2-core box's cores). (pytest-xdist's --dist loadgroup would do this in one
-# run, but xdist 3.8 writes the group into a test id attribute that pytest 9 no longer reads: no group held.)
+# beside it. Then the integration tier in two pytest runs side by side: its tests that start real servers one at a
+# time, as their timings assume, and the few marked beside_servers (they start none and time nothing) on the CPU that
+# the servers' tests leave idle while they wait (about 0.9 of the 2-core box's cores). (pytest-xdist's --dist
+# loadgroup would do this in one run, but xdist 3.8 writes the group into a test id attribute that pytest 9 no longer
+# reads: no group held.)
 # On a machine whose torch sees a CUDA GPU the GPU tier (tests/gpu, marker gpu, deselected by pyproject's addopts)
 # runs too; elsewhere it is skipped, saying so.
 if [ $# -eq 0 ]; then

@@ -10,7 +10,7 @@ import pytest
 
 from tests.unit.gate_property import drive
 
-pytestmark = [pytest.mark.slow, pytest.mark.beside_servers]  # no server (tests/run.sh)
+pytestmark = pytest.mark.slow  # real-time holds: alone on the box, with the servers (tests/run.sh)
 
 
 async def test_many_seeds_of_random_interleavings_keep_every_promise():

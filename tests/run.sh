@@ -67,6 +67,7 @@ if [ $# -eq 0 ]; then
   mapfile -t beside_files < <(grep -l "pytest.mark.beside_servers" tests/integration/test_*.py)
   (
     set +e
+    [ "${#beside_files[@]}" -gt 0 ] || exit 0
     "$PY" -m pytest -m "beside_servers and $marks" "${beside_files[@]}" 2>&1 | sed -u 's/^/[beside the servers] /'
     exit "${PIPESTATUS[0]}"
   ) &

@@ -31,6 +31,22 @@ class FakeComponent:
         return "(log tail)"
 
 
+NAMES = ("run-api", "gateway", "env", "trainer")
+
+
+def endpoints() -> RunConfig:
+    return load_config(
+        RunConfig, None, ["launch.run_api_url=http://127.0.0.1:1", "launch.gateway_url=http://127.0.0.1:2"]
+    )
+
+
+def components(events: list[str], exits: dict[str, int | None], api_socket: bool) -> list[FakeComponent]:
+    """run-api, the gateway, an environment and the trainer; run-api with an inherited socket if `api_socket`."""
+    return [
+        FakeComponent(n, events, exits.get(n), (3,) if api_socket and n == "run-api" else ()) for n in NAMES
+    ]
+
+
 def started(
     monkeypatch,
     early: bool,
@@ -49,15 +65,8 @@ def started(
     monkeypatch.setattr(launcher, "wait_http", wait_http)
     monkeypatch.setattr(supervisor.httpx, "get", lambda url, timeout: httpx.Response(200))
     monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
-    cfg = load_config(
-        RunConfig, None, ["launch.run_api_url=http://127.0.0.1:1", "launch.gateway_url=http://127.0.0.1:2"]
-    )
-    names = ("run-api", "gateway", "env", "trainer")
-    exits = {"trainer": trainer_exit, "env": env_exit}
-    comps = [
-        FakeComponent(n, events, exits.get(n), (3,) if api_socket and n == "run-api" else ()) for n in names
-    ]
-    launcher.start_all(comps, cfg, Path("run"))  # type: ignore[arg-type]
+    comps = components(events, {"trainer": trainer_exit, "env": env_exit}, api_socket)
+    launcher.start_all(comps, endpoints(), Path("run"))  # type: ignore[arg-type]
     return events
 
 
@@ -175,12 +184,8 @@ def restarted(monkeypatch, api_socket: bool) -> list[str]:
         "wait_http",
         lambda url, comp, timeout, what, watched=(): events.append(f"{comp.name} {what}"),
     )
-    cfg = load_config(
-        RunConfig, None, ["launch.run_api_url=http://127.0.0.1:1", "launch.gateway_url=http://127.0.0.1:2"]
-    )
-    names = ("run-api", "gateway", "env", "trainer")
-    comps = [FakeComponent(n, events, None, (3,) if api_socket and n == "run-api" else ()) for n in names]
-    sup = supervisor.Supervisor(comps, cfg, Path("run"))  # type: ignore[arg-type]
+    comps = components(events, {}, api_socket)
+    sup = supervisor.Supervisor(comps, endpoints(), Path("run"))  # type: ignore[arg-type]
     sup.restart([comps[0], comps[2], comps[3]])  # type: ignore[list-item]
     return events
 

@@ -351,8 +351,9 @@ def start_all(components: list[Component], cfg: RunConfig, run_dir: Path) -> Non
     boots (trainer_starts_with_vllm), and then the environments too: their imports and Atropos's own start-up pause
     (5 s) overlap vLLM's start, and their first requests wait in the gateway until vLLM serves. Where run-api
     inherits its listening socket (outside SLURM), those start with it: their first calls wait in the socket's
-    backlog until run-api serves, and its start overlaps their imports; else once it answers. Where the trainer must wait (a GPU vLLM shares), everything else waits for the gateway's health (vLLM
-    answered a real completion): environments, then the trainer."""
+    backlog until run-api serves, and its start overlaps their imports; else once it answers. Where the trainer must
+    wait (a GPU vLLM shares), everything else waits for the gateway's health (vLLM answered a real completion):
+    environments, then the trainer."""
     assert cfg.launch.run_api_url is not None and cfg.launch.gateway_url is not None
     api, trainer = components[0], components[-1]
     gateway = next((c for c in components if c.name == "gateway"), None)  # None: attached to an engine
